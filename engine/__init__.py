@@ -1,0 +1,28 @@
+"""seq-scheduler: rolling batching with max-sparsity splitting and a system-prompt KV cache."""
+
+from engine.config import ConfigError, EngineConfig
+from engine.engine import ContextLengthExceeded, Engine, EngineStats, EngineStopped, JobHandle
+from engine.loader import LoadedModel, ModelLoadError, load_model
+from engine.outputs import FINISH_REASONS, JobDelta, StepStats, TokenLogprob
+from engine.queue import QueueFull
+from engine.sampling_params import InvalidParams, SamplingParams
+
+__all__ = [
+    "ConfigError",
+    "ContextLengthExceeded",
+    "Engine",
+    "EngineConfig",
+    "EngineStats",
+    "EngineStopped",
+    "FINISH_REASONS",
+    "InvalidParams",
+    "JobDelta",
+    "JobHandle",
+    "LoadedModel",
+    "ModelLoadError",
+    "QueueFull",
+    "SamplingParams",
+    "StepStats",
+    "TokenLogprob",
+    "load_model",
+]

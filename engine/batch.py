@@ -1,0 +1,192 @@
+"""The rolling batch's KV storage: sub-batches of left-padded rows, regrouped when membership changes.
+
+Every row's real tokens are the rightmost `length` columns of its sub-batch (left padding): after a
+prefill a row occupies [width - length, width), and every decode step appends one column for all
+rows at once. So a row's mask and position follow from its length alone, and a row can be cut out
+of one sub-batch and written into another without knowing anything but its length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+if TYPE_CHECKING:
+    from engine.job import Sequence
+
+# Columns allocated beyond the current width, so decode steps write in place instead of
+# reallocating (DynamicCache's torch.cat copies the whole cache every step).
+GROWTH_COLUMNS = 64
+
+
+class SlabLayer(DynamicLayer):
+    """One layer's KV for a sub-batch: a preallocated [b, heads, capacity, dim] buffer, filled up to `length`."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        super().__init__()
+        self.kbuf, self.vbuf, self.length = keys, values, length
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self._views()
+
+    def _views(self) -> None:
+        self.keys = self.kbuf[:, :, : self.length]
+        self.values = self.vbuf[:, :, : self.length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n = key_states.shape[-2]
+        if self.length + n > self.kbuf.shape[-2]:
+            self._grow(self.length + n + GROWTH_COLUMNS)
+        self.kbuf[:, :, self.length : self.length + n] = key_states
+        self.vbuf[:, :, self.length : self.length + n] = value_states
+        self.length += n
+        self._views()
+        return self.keys, self.values
+
+    def _grow(self, capacity: int) -> None:
+        b, h, _, d = self.kbuf.shape
+        for name in ("kbuf", "vbuf"):
+            old = getattr(self, name)
+            new = old.new_empty((b, h, capacity, d))
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def truncate(self, length: int) -> None:
+        """Forget columns past `length` (used to drop look-ahead tokens)."""
+        self.length = length
+        self._views()
+
+
+class SlabCache(Cache):
+    """A transformers Cache over SlabLayers, one per model layer."""
+
+    def __init__(self, layers: list[SlabLayer]):
+        super().__init__(layers=layers)
+
+
+@dataclass
+class RowKV:
+    """A row's real KV, per layer: lists of [heads, length, dim] tensors (views, not copies)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int
+
+
+class SubBatch:
+    """Rows padded to one width that run one forward call per step."""
+
+    def __init__(self, seqs: list[Sequence], cache: SlabCache, width: int):
+        self.seqs = seqs
+        self.cache = cache
+        self.width = width  # columns in use (the longest row's length)
+
+    @property
+    def size(self) -> int:
+        return len(self.seqs)
+
+    def lengths(self) -> list[int]:
+        return [s.kv_len for s in self.seqs]
+
+    def padded_tokens(self) -> int:
+        return sum(self.width - s.kv_len for s in self.seqs)
+
+    def row(self, i: int) -> RowKV:
+        length = self.seqs[i].kv_len
+        start = self.width - length
+        keys = [layer.kbuf[i, :, start : self.width] for layer in self.cache.layers]
+        values = [layer.vbuf[i, :, start : self.width] for layer in self.cache.layers]
+        return RowKV(keys, values, length)
+
+    def kv_bytes(self) -> int:
+        return sum(layer.kbuf.nbytes + layer.vbuf.nbytes for layer in self.cache.layers)
+
+    def decode_inputs(self) -> dict[str, torch.Tensor]:
+        """input_ids, attention_mask and position_ids for feeding each row's pending token."""
+        device = self.cache.layers[0].device
+        lengths = torch.tensor(self.lengths(), device=device)
+        ids = torch.tensor([[s.pending_token] for s in self.seqs], device=device)
+        cols = torch.arange(self.width + 1, device=device)
+        mask = (cols[None, :] >= (self.width - lengths)[:, None]).long()
+        return {"input_ids": ids, "attention_mask": mask, "position_ids": lengths[:, None]}
+
+    def advance(self) -> None:
+        """After a decode forward: every row gained one column."""
+        self.width += 1
+
+
+def build_sub_batch(seqs: list[Sequence], rows: list[RowKV]) -> SubBatch:
+    """Write rows into a fresh left-padded slab, `GROWTH_COLUMNS` wide beyond the longest row."""
+    width = max(r.length for r in rows)
+    ref = rows[0].keys[0]
+    heads, dim = ref.shape[0], ref.shape[-1]
+    n_layers = len(rows[0].keys)
+    layers = []
+    for li in range(n_layers):
+        kbuf = ref.new_zeros((len(rows), heads, width + GROWTH_COLUMNS, rows[0].keys[li].shape[-1]))
+        vbuf = ref.new_zeros((len(rows), heads, width + GROWTH_COLUMNS, rows[0].values[li].shape[-1]))
+        for i, r in enumerate(rows):
+            kbuf[i, :, width - r.length : width] = r.keys[li]
+            vbuf[i, :, width - r.length : width] = r.values[li]
+        layers.append(SlabLayer(kbuf, vbuf, width))
+    del dim
+    return SubBatch(list(seqs), SlabCache(layers), width)
+
+
+def row_from_cache(cache: Cache, index: int = 0, length: int | None = None) -> RowKV:
+    """A row of a (prefill) DynamicCache as RowKV views; `length` keeps only the first columns."""
+    keys, values = [], []
+    for layer in cache.layers:
+        k, v = layer.keys[index], layer.values[index]
+        if length is not None:
+            k, v = k[:, :length], v[:, :length]
+        keys.append(k)
+        values.append(v)
+    return RowKV(keys, values, keys[0].shape[-2])
+
+
+class RollingBatch:
+    """The running rows' KV, as sub-batches. Regrouped to a new partition when membership changes."""
+
+    def __init__(self) -> None:
+        self.sub_batches: list[SubBatch] = []
+
+    def kv_bytes(self) -> int:
+        return sum(sb.kv_bytes() for sb in self.sub_batches)
+
+    def padded_tokens(self) -> int:
+        return sum(sb.padded_tokens() for sb in self.sub_batches)
+
+    def regroup(self, groups: list[list[Sequence]], new_rows: dict[Sequence, RowKV]) -> None:
+        """Lay the rows out as `groups`, reusing a sub-batch whose rows are exactly a group.
+
+        Rows come from their current sub-batch or, for newly prefilled ones, from `new_rows`.
+        Rows in no group are dropped.
+        """
+        where: dict[Sequence, tuple[SubBatch, int]] = {}
+        by_members: dict[frozenset, SubBatch] = {}
+        for sb in self.sub_batches:
+            by_members[frozenset(sb.seqs)] = sb
+            for i, s in enumerate(sb.seqs):
+                where[s] = (sb, i)
+        result = []
+        for group in groups:
+            kept = by_members.get(frozenset(group))
+            if kept is not None:
+                result.append(kept)
+                continue
+            rows = []
+            for s in group:
+                if s in new_rows:
+                    rows.append(new_rows[s])
+                else:
+                    sb, i = where[s]
+                    rows.append(sb.row(i))
+            result.append(build_sub_batch(group, rows))
+        self.sub_batches = result

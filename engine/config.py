@@ -1,0 +1,89 @@
+"""Engine configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+STRATEGIES = ("greedy", "sample", "contrastive")
+DTYPES = ("auto", "fp32", "fp16", "bf16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field, the value and the limit."""
+
+    def __init__(self, field_name: str, value: object, expected: str):
+        self.field = field_name
+        self.value = value
+        super().__init__(f"{field_name}={value!r} is invalid: expected {expected}")
+
+
+def default_num_threads() -> int:
+    """Intra-op threads for the engine.
+
+    torch's intra-op threads spin while waiting for each other; on a small CPU shared with the HTTP
+    loop, a full-width pool is slower than one thread short of it (DESIGN.md, "Threads on a small CPU").
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1) if cores <= 4 else cores - 2
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the seq-scheduler needs to load a model and run its loop."""
+
+    # Model: a hub id, a local directory, a .gguf file, or None for the embedded SmolLM2.
+    model_id: str | None = None
+    revision: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    trust_remote_code: bool = False
+    # Where de-quantised GGUF models are cached as safetensors; None: ~/.cache/seqgate.
+    cache_dir: str | None = None
+    # Rolling batch.
+    max_rolling_batch_size: int = 32
+    job_queue_size: int = 1000
+    # Max-sparsity thresholding.
+    max_sparsity: float = 0.33
+    max_splits: int = 3
+    # Decoding default for jobs that do not choose.
+    decoding_strategy: str = "greedy"
+    # Prompt cache (system-prompt prefix KV), bounded in bytes; 0 disables it.
+    prompt_cache_bytes: int = 512 * 1024 * 1024
+    # Smallest prefix (tokens) worth caching.
+    prompt_cache_min_tokens: int = 16
+    # Longest prompt prefilled in one forward call; longer prompts are prefilled in chunks.
+    prefill_chunk_tokens: int = 512
+    # torch intra-op threads; 0 picks a default from the cores available.
+    num_threads: int = 0
+    # Context length limit; 0 means the model's max_position_embeddings.
+    max_model_len: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError("dtype", self.dtype, f"one of {DTYPES}")
+        if self.decoding_strategy not in STRATEGIES:
+            raise ConfigError("decoding_strategy", self.decoding_strategy, f"one of {STRATEGIES}")
+        if self.max_rolling_batch_size < 1:
+            raise ConfigError("max_rolling_batch_size", self.max_rolling_batch_size, ">= 1")
+        if self.job_queue_size < 0:
+            raise ConfigError("job_queue_size", self.job_queue_size, ">= 0")
+        if not 0.0 <= self.max_sparsity <= 1.0:
+            raise ConfigError("max_sparsity", self.max_sparsity, "a number in [0, 1]")
+        if self.max_splits < 1:
+            raise ConfigError("max_splits", self.max_splits, ">= 1")
+        if self.prompt_cache_bytes < 0:
+            raise ConfigError("prompt_cache_bytes", self.prompt_cache_bytes, ">= 0")
+        if self.prefill_chunk_tokens < 1:
+            raise ConfigError("prefill_chunk_tokens", self.prefill_chunk_tokens, ">= 1")
+        if self.num_threads < 0:
+            raise ConfigError("num_threads", self.num_threads, ">= 0 (0 = auto)")
+        if self.max_model_len < 0:
+            raise ConfigError("max_model_len", self.max_model_len, ">= 0 (0 = the model's)")
+        if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError("device", self.device, "auto, cpu, cuda or cuda:N")
+
+    @property
+    def threads(self) -> int:
+        return self.num_threads or default_num_threads()

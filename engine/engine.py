@@ -1,0 +1,457 @@
+"""Engine: owns the model thread. submit / abort / stream from any thread; step() is the algorithm."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue as thread_queue
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.batch import RollingBatch, RowKV, row_from_cache
+from engine.config import EngineConfig
+from engine.contrastive import contrastive_choice
+from engine.detokenize import IncrementalDetokenizer
+from engine.job import Job, Sequence, SeqStatus
+from engine.loader import LoadedModel, load_model
+from engine.outputs import JobDelta, StepStats
+from engine.prefix_cache import PrefixCache, PrefixEntry
+from engine.runner import ModelRunner
+from engine.sampling import (
+    apply_logit_bias,
+    apply_penalties,
+    block_stop_tokens,
+    logprobs_for,
+    sample_rows,
+)
+from engine.sampling_params import InvalidParams, SamplingParams
+from engine.scheduler import Scheduler, StepPlan
+from engine.stops import StopMatcher
+
+log = logging.getLogger("seqgate.engine")
+
+_END = None  # end-of-stream marker on a handle's queue
+
+
+class ContextLengthExceeded(InvalidParams):
+    """Prompt plus requested tokens do not fit the model's context."""
+
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, limit: int, param: str = "messages"):
+        self.prompt_tokens, self.max_new_tokens, self.limit = prompt_tokens, max_new_tokens, limit
+        super().__init__(
+            param,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_tokens + max_new_tokens} tokens ({prompt_tokens} in the prompt, {max_new_tokens} "
+            f"for the completion). Please reduce the prompt or the completion length. "
+            f"(context_length_exceeded)",
+        )
+
+
+class EngineStopped(RuntimeError):
+    """The engine is draining or stopped and admits no new jobs."""
+
+
+class JobHandle:
+    """A submitted job's output stream. Iterate with `async for` on the loop that submitted it,
+    or with `iter_sync()` from a plain thread."""
+
+    def __init__(self, job_id: str, loop: asyncio.AbstractEventLoop | None):
+        self.job_id = job_id
+        self._loop = loop
+        self._aq: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
+        self._tq: thread_queue.Queue | None = None if loop is not None else thread_queue.Queue()
+
+    def _put(self, item: JobDelta | None) -> None:  # engine thread
+        if self._aq is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._aq.put_nowait, item)
+            except RuntimeError:  # the client's loop is gone; nobody is listening
+                pass
+        else:
+            self._tq.put(item)
+
+    async def __aiter__(self) -> AsyncIterator[JobDelta]:
+        assert self._aq is not None, "submitted outside an event loop: use iter_sync()"
+        while (item := await self._aq.get()) is not _END:
+            yield item
+
+    def iter_sync(self, timeout: float | None = None) -> Iterator[JobDelta]:
+        assert self._tq is not None, "submitted inside an event loop: use async for"
+        while (item := self._tq.get(timeout=timeout)) is not _END:
+            yield item
+
+
+@dataclass
+class EngineStats:
+    """Counters since start, and the last step's stats."""
+
+    queued: int = 0
+    running: int = 0
+    steps: int = 0
+    last_step: StepStats | None = None
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cache_hits: int = 0
+    cached_tokens: int = 0
+    prefix_cache_bytes: int = 0
+    finished_by_reason: Counter = field(default_factory=Counter)
+
+
+class Engine:
+    """The seq-scheduler. One thread owns the model and runs `step()` while there is work."""
+
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+        self.config = config or EngineConfig()
+        self.loaded = loaded or load_model(self.config)
+        self.tokenizer = self.loaded.tokenizer
+        self.model_name = self.loaded.name
+        model_cfg = self.loaded.model.config
+        limit = getattr(model_cfg, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(self.config.max_model_len or limit, limit)
+        self.eos_ids = self._eos_ids()
+        self.runner = ModelRunner(self.loaded.model, self.loaded.device)
+        self.scheduler = Scheduler(self.config)
+        self.batch = RollingBatch()
+        self.prefix_cache = PrefixCache(self.config.prompt_cache_bytes)
+        self._gen = torch.Generator(device=self.loaded.device)
+        self._gen.seed()
+        self._stats = EngineStats()
+        self._listeners: list[Callable[[StepStats], None]] = []
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self.draining = False
+
+    def _eos_ids(self) -> list[int]:
+        ids = set()
+        for src in (self.loaded.model.generation_config, self.loaded.model.config):
+            eos = getattr(src, "eos_token_id", None)
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return sorted(ids)
+
+    # -- public API (any thread) ------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="seqgate-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop admitting; with `drain`, let running and queued jobs finish first."""
+        self.draining = True
+        if drain and self._thread is not None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self.scheduler.has_work and (deadline is None or time.monotonic() < deadline):
+                time.sleep(0.02)
+        self._running = False
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, prefix_len: int = 0,
+               job_id: str | None = None) -> JobHandle:
+        """Queue a job; its output arrives on the returned handle. Raises QueueFull, InvalidParams,
+        ContextLengthExceeded or EngineStopped."""
+        if self.draining or not self._running:
+            raise EngineStopped("the engine is not accepting new jobs (draining or stopped)")
+        params.validate()
+        if not prompt_ids:
+            raise InvalidParams("prompt", "the prompt is empty")
+        if params.n > self.config.max_rolling_batch_size:
+            raise InvalidParams("n", f"n={params.n} exceeds max_rolling_batch_size="
+                                     f"{self.config.max_rolling_batch_size}")
+        vocab = self.runner.vocab_size
+        bad = [t for t in (*prompt_ids, *params.stop_token_ids, *params.logit_bias) if not 0 <= t < vocab]
+        if bad:
+            raise InvalidParams("prompt" if bad[0] in prompt_ids else "logit_bias",
+                                f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(prompt_ids) + params.max_new_tokens > self.max_model_len:
+            raise ContextLengthExceeded(len(prompt_ids), params.max_new_tokens, self.max_model_len)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        handle = JobHandle(job_id or f"job-{uuid.uuid4().hex}", loop)
+        job = Job(
+            job_id=handle.job_id,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            strategy=params.resolved_strategy(self.config.decoding_strategy),
+            prefix_len=max(0, min(prefix_len, len(prompt_ids))),
+            emit=handle._put,
+        )
+        job.seqs = [Sequence(job, i) for i in range(params.n)]
+        self.scheduler.submit(job)
+        self._wake.set()
+        return handle
+
+    def abort(self, job_id: str) -> None:
+        """Cancel a job; its slot is free at the next step and its stream ends with 'abort'."""
+        self.scheduler.request_abort(job_id)
+        self._wake.set()
+
+    def add_step_listener(self, fn: Callable[[StepStats], None]) -> None:
+        self._listeners.append(fn)
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        s.queued = len(self.scheduler.queue)
+        s.running = len(self.scheduler.running)
+        s.prefix_cache_bytes = self.prefix_cache.nbytes
+        return s
+
+    # -- engine thread ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        torch.set_num_threads(self.config.threads)
+        with torch.inference_mode():
+            while self._running:
+                if not self.scheduler.has_work:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                try:
+                    self.step()
+                except Exception:  # a bug in the step must not kill the server: fail what ran
+                    log.exception("engine step failed; failing the running jobs")
+                    self._fail_all("internal engine error")
+
+    def step(self) -> StepStats:
+        """One iteration: schedule, prefill newcomers, regroup, decode every sub-batch, publish."""
+        plan = self.scheduler.schedule()
+        touched: dict[str, Job] = {job.job_id: job for job in plan.aborted}
+        t0 = time.perf_counter()
+        new_rows = self._prefill(plan, touched)
+        t1 = time.perf_counter()
+        self.scheduler.drop_finished()
+        part = None
+        if plan.membership_changed or new_rows:
+            part, groups = self.scheduler.partition()
+            self.batch.regroup(groups, new_rows)
+        for sb in list(self.batch.sub_batches):
+            self._decode(sb, touched)
+        t2 = time.perf_counter()
+        self._publish(touched)
+        return self._record(plan, part, t1 - t0, t2 - t1)
+
+    def _prefill(self, plan: StepPlan, touched: dict[str, Job]) -> dict[Sequence, RowKV]:
+        new_rows: dict[Sequence, RowKV] = {}
+        for job in plan.admitted:
+            touched[job.job_id] = job
+            try:
+                result = self._prefill_job(job)
+                first = result.logits[None].expand(len(job.seqs), -1)
+                for s in job.seqs:
+                    s.kv_len = result.length
+                    s.hidden = result.hidden
+                    s.detok = IncrementalDetokenizer(self.tokenizer, job.prompt_ids,
+                                                     job.params.skip_special_tokens)
+                    s.stops = StopMatcher(job.params.stop)
+                    if job.params.seed is not None:
+                        s.generator = torch.Generator(device=self.loaded.device)
+                        s.generator.manual_seed(job.params.seed + s.index)
+                self._choose(job.seqs, first, [result.cache] * len(job.seqs))
+                job.first_token_at = time.perf_counter()
+                row = row_from_cache(result.cache)
+                for s in job.seqs:
+                    if not s.status.finished:
+                        new_rows[s] = row
+            except Exception as exc:
+                log.exception("prefill failed for %s", job.job_id)
+                for s in job.seqs:
+                    self._fail(s, f"prefill failed: {exc}")
+        return new_rows
+
+    def _prefill_job(self, job: Job):
+        ids, chunk = job.prompt_ids, self.config.prefill_chunk_tokens
+        want_hidden = job.strategy == "contrastive"
+        # A prefix covering the whole prompt still leaves one token to compute for the logits.
+        usable = min(job.prefix_len, len(ids) - 1)
+        self._stats.prompt_tokens += len(ids)
+        if self.config.prompt_cache_bytes and usable >= self.config.prompt_cache_min_tokens:
+            key = tuple(ids[:usable])
+            entry = self.prefix_cache.lookup(key, need_hidden=want_hidden)
+            if entry is None:
+                head = self.runner.prefill(ids, None, chunk, want_hidden, stop_at=usable)
+                row = row_from_cache(head.cache)
+                entry = PrefixEntry([k.clone() for k in row.keys], [v.clone() for v in row.values],
+                                    head.hidden.clone() if head.hidden is not None else None, usable)
+                self.prefix_cache.insert(key, entry)
+            else:
+                job.cached_tokens = usable
+                self._stats.cache_hits += 1
+                self._stats.cached_tokens += usable
+            return self.runner.prefill(ids, entry, chunk, want_hidden)
+        return self.runner.prefill(ids, None, chunk, want_hidden)
+
+    def _decode(self, sb, touched: dict[str, Job]) -> None:
+        want_hidden = any(s.job.strategy == "contrastive" for s in sb.seqs)
+        try:
+            logits, hidden = self.runner.decode(sb, want_hidden)
+        except Exception as exc:
+            log.exception("decode forward failed for a sub-batch of %d", sb.size)
+            for s in sb.seqs:
+                touched[s.job.job_id] = s.job
+                self._fail(s, f"forward failed: {exc}")
+            return
+        for i, s in enumerate(sb.seqs):
+            s.kv_len += 1
+            touched[s.job.job_id] = s.job
+            if hidden is not None and s.hidden is not None:
+                s.hidden = torch.cat([s.hidden, hidden[i : i + 1]])
+        self._choose(sb.seqs, logits, [sb] * sb.size)
+
+    def _choose(self, seqs: list[Sequence], logits: torch.Tensor, sources: list) -> None:
+        """Pick each row's next token; a row whose choice raises fails alone."""
+        try:
+            tokens, lps = self._choose_rows(seqs, logits, sources)
+        except Exception:
+            tokens, lps = [], []
+            for i, s in enumerate(seqs):
+                try:
+                    t, lp = self._choose_rows([s], logits[i : i + 1], [sources[i]])
+                    tokens.append(t[0])
+                    lps.append(lp[0])
+                except Exception as exc:
+                    log.exception("token choice failed for %s", s.job.job_id)
+                    self._fail(s, f"sampling failed: {exc}")
+                    tokens.append(None)
+                    lps.append(None)
+        for s, tok, lp in zip(seqs, tokens, lps):
+            if tok is not None and not s.status.finished:
+                self._accept(s, tok, lp)
+
+    def _choose_rows(self, seqs: list[Sequence], logits: torch.Tensor, sources: list):
+        logits = apply_penalties(logits, seqs, self.runner.vocab_size)
+        logits = apply_logit_bias(logits, seqs)
+        logits = block_stop_tokens(logits, seqs, self.eos_ids)
+        tokens: list[int] = [0] * len(seqs)
+        strategies = [s.job.strategy for s in seqs]
+        greedy = [i for i, st in enumerate(strategies) if st == "greedy"]
+        if greedy:
+            picks = logits[greedy].argmax(dim=-1).tolist()
+            for i, t in zip(greedy, picks):
+                tokens[i] = t
+        sample = [i for i, st in enumerate(strategies) if st == "sample"]
+        if sample:
+            picks = sample_rows(logits[sample], [seqs[i] for i in sample], self._gen)
+            for i, t in zip(sample, picks):
+                tokens[i] = t
+        for i, st in enumerate(strategies):
+            if st == "contrastive":
+                tokens[i] = self._contrastive(seqs[i], logits[i], sources[i])
+        lps: list = [None] * len(seqs)
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs]
+        if want:
+            got = logprobs_for(logits[want], [tokens[i] for i in want],
+                               [seqs[i].params.top_logprobs for i in want])
+            for i, lp in zip(want, got):
+                lps[i] = lp
+        return tokens, lps
+
+    def _contrastive(self, s: Sequence, logits: torch.Tensor, source) -> int:
+        p = s.params
+        k = p.top_k or 4
+        probs = logits.softmax(dim=-1)
+        top = probs.topk(k)
+        if hasattr(source, "row"):  # a sub-batch: this row's KV after the step's forward
+            row = source.row(source.seqs.index(s))
+        else:  # a prefill cache
+            row = row_from_cache(source)
+        cand_hidden = self.runner.lookahead(row, top.indices.tolist())
+        return contrastive_choice(top.values, top.indices, cand_hidden, s.hidden, p.penalty_alpha)
+
+    def _accept(self, s: Sequence, tok: int, lp) -> None:
+        """Record a chosen token and apply the stop conditions."""
+        p = s.params
+        s.generated.append(tok)
+        s.out_tokens.append(tok)
+        s.pending_token = tok
+        self._stats.generated_tokens += 1
+        if lp is not None:
+            s.out_logprobs.append(lp)
+        if s.counts is not None:
+            s.counts[tok] += 1
+        if tok in self.eos_ids and not p.ignore_eos:
+            s.status = SeqStatus.EOS
+        elif tok in p.stop_token_ids:
+            s.status = SeqStatus.STOP_TOKEN
+        else:
+            text, stopped = s.stops.feed(s.detok.push(tok))
+            s.out_text.append(text)
+            if stopped:
+                s.status = SeqStatus.STOP_STRING
+        if not s.status.finished and (len(s.generated) >= p.max_new_tokens
+                                      or s.kv_len + 1 >= self.max_model_len):
+            s.status = SeqStatus.LENGTH
+        if s.status.finished and s.status != SeqStatus.STOP_STRING:
+            s.out_text.append(s.stops.flush())
+
+    def _fail(self, s: Sequence, message: str) -> None:
+        if not s.status.finished:
+            s.status = SeqStatus.ERROR
+            s.error = message
+
+    def _fail_all(self, message: str) -> None:
+        touched = {}
+        for s in self.scheduler.running:
+            self._fail(s, message)
+            touched[s.job.job_id] = s.job
+        self.scheduler.running = []
+        self.batch.sub_batches = []
+        self._publish(touched)
+
+    def _publish(self, touched: dict[str, Job]) -> None:
+        for job in touched.values():
+            if job.closed:
+                continue
+            for s in job.seqs:
+                if s.final_sent:
+                    continue
+                if s.status.finished:
+                    s.final_sent = True
+                    self._stats.finished_by_reason[s.status.finish_reason] += 1
+                    job.emit(s.take_delta())
+                elif s.out_tokens:
+                    job.emit(s.take_delta())
+            if job.done:
+                job.closed = True
+                job.emit(_END)
+
+    def _record(self, plan: StepPlan, part, prefill_s: float, decode_s: float) -> StepStats:
+        sbs = self.batch.sub_batches
+        real = sum(sum(sb.lengths()) for sb in sbs)
+        padded = self.batch.padded_tokens()
+        stats = StepStats(
+            step=plan.step,
+            running=len(self.scheduler.running),
+            queued=len(self.scheduler.queue),
+            admitted=len(plan.admitted),
+            finished=sum(1 for sb in sbs for s in sb.seqs if s.status.finished),
+            sub_batches=len(sbs),
+            sub_batch_sizes=[sb.size for sb in sbs],
+            sparsity=padded / real if real else 0.0,
+            padded_tokens=padded,
+            kv_bytes=self.batch.kv_bytes(),
+            prefill_tokens=plan.prefill_tokens,
+            cached_prompt_tokens=sum(j.cached_tokens for j in plan.admitted),
+            decode_seconds=decode_s,
+            prefill_seconds=prefill_s,
+        )
+        self._stats.steps = plan.step
+        self._stats.last_step = stats
+        for fn in self._listeners:
+            try:
+                fn(stats)
+            except Exception:
+                log.exception("step listener failed")
+        return stats

@@ -1,0 +1,110 @@
+"""A job (one request) and its sequences (one per `n`), with their decoding state."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from collections.abc import Callable
+
+import torch
+
+from engine.detokenize import IncrementalDetokenizer
+from engine.outputs import JobDelta, TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.stops import StopMatcher
+
+class SeqStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    # Finished states; FINISH_REASONS in outputs.py maps their names to OpenAI's finish reasons.
+    EOS = 10
+    STOP_TOKEN = 11
+    STOP_STRING = 12
+    LENGTH = 13
+    ABORT = 14
+    ERROR = 15
+
+    @property
+    def finished(self) -> bool:
+        return self >= SeqStatus.EOS
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            SeqStatus.EOS: "stop",
+            SeqStatus.STOP_TOKEN: "stop",
+            SeqStatus.STOP_STRING: "stop",
+            SeqStatus.LENGTH: "length",
+            SeqStatus.ABORT: "abort",
+            SeqStatus.ERROR: "error",
+        }.get(self)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generated continuation: its tokens, KV length, and per-sequence decoding state."""
+
+    job: Job
+    index: int  # 0..n-1 within the job
+    generated: list[int] = field(default_factory=list)
+    # Tokens in this row's KV: the prompt, then every generated token but the newest.
+    kv_len: int = 0
+    # The newest sampled token, fed to the model at the next decode step.
+    pending_token: int = -1
+    status: SeqStatus = SeqStatus.WAITING
+    generator: torch.Generator | None = None
+    detok: IncrementalDetokenizer | None = None
+    stops: StopMatcher | None = None
+    # Counts of generated tokens, for presence/frequency penalties (built on first use).
+    counts: torch.Tensor | None = None
+    # Last-layer hidden states of the context, for contrastive search: [tokens, hidden].
+    hidden: torch.Tensor | None = None
+    # Output not yet handed to the client.
+    out_tokens: list[int] = field(default_factory=list)
+    out_text: list[str] = field(default_factory=list)
+    out_logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None
+    final_sent: bool = False  # the finishing delta went out
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.job.params
+
+    def take_delta(self) -> JobDelta:
+        finish = self.status.finish_reason if self.status.finished else None
+        delta = JobDelta(
+            job_id=self.job.job_id,
+            index=self.index,
+            token_ids=self.out_tokens,
+            text="".join(self.out_text),
+            finish_reason=finish,
+            logprobs=self.out_logprobs if self.params.logprobs else None,
+            prompt_tokens=len(self.job.prompt_ids),
+            cached_tokens=self.job.cached_tokens,
+            completion_tokens=len(self.generated),
+            error=self.error,
+        )
+        self.out_tokens, self.out_text, self.out_logprobs = [], [], []
+        return delta
+
+
+@dataclass(eq=False)
+class Job:
+    """One request: its prompt, parameters and `n` sequences sharing one prefill."""
+
+    job_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    strategy: str  # resolved: greedy | sample | contrastive
+    prefix_len: int = 0  # leading prompt tokens that form the prompt-cache key
+    emit: Callable[[JobDelta | None], None] = lambda d: None  # None = end of stream
+    seqs: list[Sequence] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prompt cache
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    closed: bool = False
+
+    @property
+    def done(self) -> bool:
+        return all(s.status.finished for s in self.seqs)

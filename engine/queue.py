@@ -1,0 +1,54 @@
+"""The bounded queue of jobs waiting for a slot in the rolling batch."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.job import Job
+
+
+class QueueFull(RuntimeError):
+    """The wait queue is at `job_queue_size`; the request is refused (HTTP 429), never dropped."""
+
+    def __init__(self, queue_size: int):
+        self.queue_size = queue_size
+        super().__init__(f"the job queue is full ({queue_size} waiting); retry later")
+
+
+class JobQueue:
+    """FIFO of waiting jobs, bounded at `limit`; safe to push from any thread."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._jobs: deque[Job] = deque()
+        self._lock = threading.Lock()
+
+    def push(self, job: Job, free_slots: int) -> None:
+        """Queue `job`, or raise QueueFull. Jobs that fit in free batch slots never count as queued."""
+        with self._lock:
+            waiting_seqs = sum(j.params.n for j in self._jobs)
+            if len(self._jobs) >= self.limit and waiting_seqs + job.params.n > free_slots:
+                raise QueueFull(self.limit)
+            self._jobs.append(job)
+
+    def peek(self) -> Job | None:
+        with self._lock:
+            return self._jobs[0] if self._jobs else None
+
+    def pop(self) -> Job:
+        with self._lock:
+            return self._jobs.popleft()
+
+    def remove(self, job: Job) -> bool:
+        with self._lock:
+            try:
+                self._jobs.remove(job)
+                return True
+            except ValueError:
+                return False
+
+    def __len__(self) -> int:
+        return len(self._jobs)
