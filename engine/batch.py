@@ -1,4 +1,5 @@
-"""The rolling batch's KV storage: sub-batches of left-padded rows, regrouped when membership changes.
+"""The rolling batch's KV storage: sub-batches of left-padded rows, regrouped when membership
+changes.
 
 Every row's real tokens are the rightmost `length` columns of its sub-batch (left padding): after a
 prefill a row occupies [width - length, width), and every decode step appends one column for all
@@ -23,7 +24,9 @@ GROWTH_COLUMNS = 64
 
 
 class SlabLayer(DynamicLayer):
-    """One layer's KV for a sub-batch: a preallocated [b, heads, capacity, dim] buffer, filled up to `length`."""
+    """One layer's KV for a sub-batch: a preallocated [b, heads, capacity, dim] buffer, filled up
+    to `length`.
+    """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
         super().__init__()
@@ -130,7 +133,9 @@ def build_sub_batch(seqs: list[Sequence], rows: list[RowKV]) -> SubBatch:
     layers = []
     for li in range(n_layers):
         kbuf = ref.new_zeros((len(rows), heads, width + GROWTH_COLUMNS, rows[0].keys[li].shape[-1]))
-        vbuf = ref.new_zeros((len(rows), heads, width + GROWTH_COLUMNS, rows[0].values[li].shape[-1]))
+        vbuf = ref.new_zeros(
+            (len(rows), heads, width + GROWTH_COLUMNS, rows[0].values[li].shape[-1])
+        )
         for i, r in enumerate(rows):
             kbuf[i, :, width - r.length : width] = r.keys[li]
             vbuf[i, :, width - r.length : width] = r.values[li]
@@ -152,7 +157,8 @@ def row_from_cache(cache: Cache, index: int = 0, length: int | None = None) -> R
 
 
 class RollingBatch:
-    """The running rows' KV, as sub-batches. Regrouped to a new partition when membership changes."""
+    """The running rows' KV, as sub-batches. Regrouped to a new partition when membership changes.
+    """
 
     def __init__(self) -> None:
         self.sub_batches: list[SubBatch] = []

@@ -22,9 +22,12 @@ def default_num_threads() -> int:
     """Intra-op threads for the engine.
 
     torch's intra-op threads spin while waiting for each other; on a small CPU shared with the HTTP
-    loop, a full-width pool is slower than one thread short of it (DESIGN.md, "Threads on a small CPU").
+    loop, a full-width pool is slower than one thread short of it
+    (DESIGN.md, "Threads on a small CPU").
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
     return max(1, cores - 1) if cores <= 4 else cores - 2
 
 

@@ -10,16 +10,25 @@ from __future__ import annotations
 import torch
 
 
-def degeneration_penalty(candidate_hidden: torch.Tensor, context_hidden: torch.Tensor) -> torch.Tensor:
+def degeneration_penalty(
+    candidate_hidden: torch.Tensor, context_hidden: torch.Tensor
+) -> torch.Tensor:
     """max cosine similarity of each candidate [k, d] to any context state [t, d] → [k]."""
     cand = torch.nn.functional.normalize(candidate_hidden.float(), dim=-1)
     ctx = torch.nn.functional.normalize(context_hidden.float(), dim=-1)
     return (cand @ ctx.T).max(dim=-1).values
 
 
-def contrastive_choice(probs: torch.Tensor, candidate_ids: torch.Tensor, candidate_hidden: torch.Tensor,
-                       context_hidden: torch.Tensor, alpha: float) -> int:
-    """The candidate with the best contrastive score; `probs` are the candidates' probabilities [k]."""
+def contrastive_choice(
+    probs: torch.Tensor,
+    candidate_ids: torch.Tensor,
+    candidate_hidden: torch.Tensor,
+    context_hidden: torch.Tensor,
+    alpha: float,
+) -> int:
+    """The candidate with the best contrastive score; `probs` are the candidates' probabilities
+    [k].
+    """
     penalty = degeneration_penalty(candidate_hidden, context_hidden)
     scores = (1.0 - alpha) * probs.float() - alpha * penalty
     return int(candidate_ids[int(torch.argmax(scores))])

@@ -1,4 +1,5 @@
-"""Engine: owns the model thread. submit / abort / stream from any thread; step() is the algorithm."""
+"""Engine: owns the model thread. submit / abort / stream from any thread; step() is the algorithm.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from engine.batch import RollingBatch, RowKV, row_from_cache
 from engine.config import EngineConfig
 from engine.contrastive import contrastive_choice
 from engine.detokenize import IncrementalDetokenizer
-from engine.job import Job, Sequence, SeqStatus
+from engine.job import Job, SeqStatus, Sequence
 from engine.loader import LoadedModel, load_model
 from engine.outputs import JobDelta, StepStats
 from engine.prefix_cache import PrefixCache, PrefixEntry
@@ -42,14 +43,16 @@ _END = None  # end-of-stream marker on a handle's queue
 class ContextLengthExceeded(InvalidParams):
     """Prompt plus requested tokens do not fit the model's context."""
 
-    def __init__(self, prompt_tokens: int, max_new_tokens: int, limit: int, param: str = "messages"):
+    def __init__(
+        self, prompt_tokens: int, max_new_tokens: int, limit: int, param: str = "messages"
+    ):
         self.prompt_tokens, self.max_new_tokens, self.limit = prompt_tokens, max_new_tokens, limit
         super().__init__(
             param,
             f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{prompt_tokens + max_new_tokens} tokens ({prompt_tokens} in the prompt, {max_new_tokens} "
-            f"for the completion). Please reduce the prompt or the completion length. "
-            f"(context_length_exceeded)",
+            f"{prompt_tokens + max_new_tokens} tokens ({prompt_tokens} in the prompt, "
+            f"{max_new_tokens} for the completion). Please reduce the prompt or the completion "
+            f"length. (context_length_exceeded)",
         )
 
 
@@ -138,12 +141,17 @@ class Engine:
         return sorted(ids)
 
     # -- public API (any thread) ------------------------------------------------------------
-    def start(self) -> None:
-        if self._thread is not None:
+    def start(self, background: bool = True) -> None:
+        """Start admitting jobs; with `background`, run the loop in the engine thread.
+
+        Without it the caller drives the engine with `step()` (tests that control timing do).
+        """
+        if self._running:
             return
         self._running = True
-        self._thread = threading.Thread(target=self._loop, name="seqgate-engine", daemon=True)
-        self._thread.start()
+        if background:
+            self._thread = threading.Thread(target=self._loop, name="seqgate-engine", daemon=True)
+            self._thread.start()
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop admitting; with `drain`, let running and queued jobs finish first."""
@@ -158,8 +166,13 @@ class Engine:
             self._thread.join(timeout=5)
             self._thread = None
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, prefix_len: int = 0,
-               job_id: str | None = None) -> JobHandle:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prefix_len: int = 0,
+        job_id: str | None = None,
+    ) -> JobHandle:
         """Queue a job; its output arrives on the returned handle. Raises QueueFull, InvalidParams,
         ContextLengthExceeded or EngineStopped."""
         if self.draining or not self._running:
@@ -168,13 +181,21 @@ class Engine:
         if not prompt_ids:
             raise InvalidParams("prompt", "the prompt is empty")
         if params.n > self.config.max_rolling_batch_size:
-            raise InvalidParams("n", f"n={params.n} exceeds max_rolling_batch_size="
-                                     f"{self.config.max_rolling_batch_size}")
+            raise InvalidParams(
+                "n",
+                f"n={params.n} exceeds max_rolling_batch_size={self.config.max_rolling_batch_size}",
+            )
         vocab = self.runner.vocab_size
-        bad = [t for t in (*prompt_ids, *params.stop_token_ids, *params.logit_bias) if not 0 <= t < vocab]
+        bad = [
+            t
+            for t in (*prompt_ids, *params.stop_token_ids, *params.logit_bias)
+            if not 0 <= t < vocab
+        ]
         if bad:
-            raise InvalidParams("prompt" if bad[0] in prompt_ids else "logit_bias",
-                                f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise InvalidParams(
+                "prompt" if bad[0] in prompt_ids else "logit_bias",
+                f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
+            )
         if len(prompt_ids) + params.max_new_tokens > self.max_model_len:
             raise ContextLengthExceeded(len(prompt_ids), params.max_new_tokens, self.max_model_len)
         try:
@@ -213,18 +234,25 @@ class Engine:
     # -- engine thread ----------------------------------------------------------------------
     def _loop(self) -> None:
         torch.set_num_threads(self.config.threads)
-        with torch.inference_mode():
-            while self._running:
-                if not self.scheduler.has_work:
-                    self._wake.wait(timeout=0.5)
-                    self._wake.clear()
-                    continue
-                try:
-                    self.step()
-                except Exception:  # a bug in the step must not kill the server: fail what ran
-                    log.exception("engine step failed; failing the running jobs")
-                    self._fail_all("internal engine error")
+        while self._running:
+            if not self.scheduler.has_work:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception:  # a bug in the step must not kill the server: fail what ran
+                log.exception("engine step failed; failing the running jobs")
+                self._fail_all("internal engine error")
 
+    def run_until_idle(self, max_steps: int = 100_000) -> list[StepStats]:
+        """Drive the engine from the calling thread until no work is left (tests, benchmarks)."""
+        out = []
+        while self.scheduler.has_work and len(out) < max_steps:
+            out.append(self.step())
+        return out
+
+    @torch.inference_mode()
     def step(self) -> StepStats:
         """One iteration: schedule, prefill newcomers, regroup, decode every sub-batch, publish."""
         plan = self.scheduler.schedule()
@@ -253,8 +281,9 @@ class Engine:
                 for s in job.seqs:
                     s.kv_len = result.length
                     s.hidden = result.hidden
-                    s.detok = IncrementalDetokenizer(self.tokenizer, job.prompt_ids,
-                                                     job.params.skip_special_tokens)
+                    s.detok = IncrementalDetokenizer(
+                        self.tokenizer, job.prompt_ids, job.params.skip_special_tokens
+                    )
                     s.stops = StopMatcher(job.params.stop)
                     if job.params.seed is not None:
                         s.generator = torch.Generator(device=self.loaded.device)
@@ -283,8 +312,12 @@ class Engine:
             if entry is None:
                 head = self.runner.prefill(ids, None, chunk, want_hidden, stop_at=usable)
                 row = row_from_cache(head.cache)
-                entry = PrefixEntry([k.clone() for k in row.keys], [v.clone() for v in row.values],
-                                    head.hidden.clone() if head.hidden is not None else None, usable)
+                entry = PrefixEntry(
+                    [k.clone() for k in row.keys],
+                    [v.clone() for v in row.values],
+                    head.hidden.clone() if head.hidden is not None else None,
+                    usable,
+                )
                 self.prefix_cache.insert(key, entry)
             else:
                 job.cached_tokens = usable
@@ -352,8 +385,9 @@ class Engine:
         lps: list = [None] * len(seqs)
         want = [i for i, s in enumerate(seqs) if s.params.logprobs]
         if want:
-            got = logprobs_for(logits[want], [tokens[i] for i in want],
-                               [seqs[i].params.top_logprobs for i in want])
+            got = logprobs_for(
+                logits[want], [tokens[i] for i in want], [seqs[i].params.top_logprobs for i in want]
+            )
             for i, lp in zip(want, got):
                 lps[i] = lp
         return tokens, lps
@@ -390,11 +424,14 @@ class Engine:
             s.out_text.append(text)
             if stopped:
                 s.status = SeqStatus.STOP_STRING
-        if not s.status.finished and (len(s.generated) >= p.max_new_tokens
-                                      or s.kv_len + 1 >= self.max_model_len):
+        if not s.status.finished and (
+            len(s.generated) >= p.max_new_tokens or s.kv_len + 1 >= self.max_model_len
+        ):
             s.status = SeqStatus.LENGTH
         if s.status.finished and s.status != SeqStatus.STOP_STRING:
-            s.out_text.append(s.stops.flush())
+            # Text held back for an incomplete character or a partial stop match goes out now.
+            text, stopped = s.stops.feed(s.detok.flush())
+            s.out_text.append(text if stopped else text + s.stops.flush())
 
     def _fail(self, s: Sequence, message: str) -> None:
         if not s.status.finished:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,6 +13,7 @@ from engine.detokenize import IncrementalDetokenizer
 from engine.outputs import JobDelta, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.stops import StopMatcher
+
 
 class SeqStatus(enum.IntEnum):
     WAITING = 0

@@ -29,7 +29,9 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class ModelLoadError(RuntimeError):
-    """The model named in the configuration cannot be found or loaded; the message says which and why."""
+    """The model named in the configuration cannot be found or loaded; the message says which and
+    why.
+    """
 
 
 @dataclass
@@ -72,12 +74,16 @@ def resolve_device(device: str) -> torch.device:
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         # Half precision on GPU; fp32 on CPU, where fp16 matmuls are slow or unsupported.
-        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else (
-            torch.float16 if device.type == "cuda" else torch.float32
+        return (
+            torch.bfloat16
+            if device.type == "cuda" and torch.cuda.is_bf16_supported()
+            else (torch.float16 if device.type == "cuda" else torch.float32)
         )
     wanted = _DTYPES[dtype]
     if device.type == "cpu" and wanted == torch.float16:
-        log.warning("dtype=fp16 asked for on a CPU without a GPU: using fp32 instead (fp16 is slow on CPU)")
+        log.warning(
+            "dtype=fp16 asked for on a CPU without a GPU: using fp32 instead (fp16 is slow on CPU)"
+        )
         return torch.float32
     return wanted
 
@@ -91,21 +97,29 @@ def default_cache_dir() -> Path:
 
 def _gguf_cache_path(gguf: Path, cache_dir: Path) -> Path:
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()
+    ).hexdigest()[:16]
     return cache_dir / f"{gguf.stem}-{key}"
 
 
 def _load_gguf(gguf: Path, config: EngineConfig, dtype: torch.dtype) -> tuple[object, object, bool]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cache = _gguf_cache_path(gguf, Path(config.cache_dir) if config.cache_dir else default_cache_dir())
-    if (cache / "model.safetensors").is_file() or (cache / "model.safetensors.index.json").is_file():
+    cache = _gguf_cache_path(
+        gguf, Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+    )
+    if (cache / "model.safetensors").is_file() or (
+        cache / "model.safetensors.index.json"
+    ).is_file():
         try:
             tok = AutoTokenizer.from_pretrained(cache)
             model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype)
             return model, tok, True
         except Exception as exc:  # a broken cache must not stop start-up: rebuild it
-            log.warning("safetensors cache at %s unreadable (%s); rebuilding from %s", cache, exc, gguf)
+            log.warning(
+                "safetensors cache at %s unreadable (%s); rebuilding from %s", cache, exc, gguf
+            )
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
     # The de-quantised weights are plain tensors; drop the GGUF marker so they can be saved.
@@ -164,6 +178,11 @@ def load_model(config: EngineConfig) -> LoadedModel:
     elapsed = time.perf_counter() - start
     log.info(
         "loaded %s from %s on %s (%s) in %.2fs%s",
-        name, source, device, dtype, elapsed, " (safetensors cache)" if from_cache else "",
+        name,
+        source,
+        device,
+        dtype,
+        elapsed,
+        " (safetensors cache)" if from_cache else "",
     )
     return LoadedModel(model, tok, name, source, device, dtype, elapsed, from_cache)

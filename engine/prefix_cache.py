@@ -25,7 +25,8 @@ class PrefixEntry:
 
 
 class PrefixCache:
-    """Maps a prefix's token ids to its KV. Least recently used entries go first when over `capacity_bytes`.
+    """Maps a prefix's token ids to its KV. Least recently used entries go first when over
+    `capacity_bytes`.
 
     Entries are never mutated after insertion: users copy out of them (the batch writes rows into
     its own slabs), so one entry serves any number of concurrent jobs.
@@ -75,10 +76,14 @@ class PrefixCache:
             return True
 
     def check_integrity(self) -> None:
-        """Assert the byte count matches the entries and stays within capacity (run when idle, and in tests)."""
+        """Assert the byte count matches the entries and stays within capacity (run when idle, and
+        in tests).
+        """
         with self._lock:
             total = sum(e.nbytes for e in self._entries.values())
-            assert total == self._bytes, f"prefix cache counts {self._bytes} bytes, entries hold {total}"
+            assert total == self._bytes, (
+                f"prefix cache counts {self._bytes} bytes, entries hold {total}"
+            )
             assert self._bytes <= self.capacity_bytes, "prefix cache over capacity"
             for key, e in self._entries.items():
                 assert e.length == len(key) and all(k.shape[-2] == e.length for k in e.keys)

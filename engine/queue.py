@@ -27,10 +27,12 @@ class JobQueue:
         self._lock = threading.Lock()
 
     def push(self, job: Job, free_slots: int) -> None:
-        """Queue `job`, or raise QueueFull. Jobs that fit in free batch slots never count as queued."""
+        """Queue `job`, or raise QueueFull. Jobs that fit in free batch slots never count as
+        queued.
+        """
         with self._lock:
-            waiting_seqs = sum(j.params.n for j in self._jobs)
-            if len(self._jobs) >= self.limit and waiting_seqs + job.params.n > free_slots:
+            # Jobs that free slots will take at the next step are not waiting.
+            if len(self._jobs) >= self.limit + max(free_slots, 0):
                 raise QueueFull(self.limit)
             self._jobs.append(job)
 

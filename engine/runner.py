@@ -1,4 +1,6 @@
-"""ModelRunner: turns prompts and sub-batches into logits (and hidden states when asked). No policy."""
+"""ModelRunner: turns prompts and sub-batches into logits (and hidden states when asked). No
+policy.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from engine.prefix_cache import PrefixEntry
 
 @dataclass
 class PrefillResult:
-    """A prompt's KV (a batch-1 DynamicCache), the logits for its first new token, and hidden states."""
+    """A prompt's KV (a batch-1 DynamicCache), the logits for its first new token, and hidden
+    states.
+    """
 
     cache: DynamicCache
     logits: torch.Tensor  # [vocab]
@@ -32,18 +36,27 @@ class ModelRunner:
     def _forward(self, **kwargs):
         return self.model(use_cache=True, return_dict=True, **kwargs)
 
-    def prefill(self, ids: list[int], prefix: PrefixEntry | None, chunk: int, want_hidden: bool,
-                stop_at: int | None = None) -> PrefillResult:
+    def prefill(
+        self,
+        ids: list[int],
+        prefix: PrefixEntry | None,
+        chunk: int,
+        want_hidden: bool,
+        stop_at: int | None = None,
+    ) -> PrefillResult:
         """Run `ids` through the model in chunks of at most `chunk` tokens.
 
-        With `prefix`, its KV stands for the first `prefix.length` ids and only the rest is computed.
+        With `prefix`, its KV stands for the first `prefix.length` ids and only the rest is
+        computed.
         With `stop_at`, only ids[:stop_at] are computed (used to build a prefix entry first).
         """
         end = len(ids) if stop_at is None else stop_at
         start = 0
         hidden_parts: list[torch.Tensor] = []
         if prefix is not None:
-            cache = DynamicCache(ddp_cache_data=[(k[None], v[None]) for k, v in zip(prefix.keys, prefix.values)])
+            cache = DynamicCache(
+                ddp_cache_data=[(k[None], v[None]) for k, v in zip(prefix.keys, prefix.values)]
+            )
             start = prefix.length
             if want_hidden and prefix.hidden is not None:
                 hidden_parts.append(prefix.hidden)
@@ -69,9 +82,13 @@ class ModelRunner:
         return PrefillResult(cache, logits.float(), hidden, end)
 
     def decode(self, sb: SubBatch, want_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Feed every row's pending token; returns logits [rows, vocab] and last-layer hidden [rows, hidden]."""
+        """Feed every row's pending token; returns logits [rows, vocab] and last-layer hidden
+        [rows, hidden].
+        """
         out = self._forward(
-            **sb.decode_inputs(), past_key_values=sb.cache, output_hidden_states=want_hidden,
+            **sb.decode_inputs(),
+            past_key_values=sb.cache,
+            output_hidden_states=want_hidden,
         )
         sb.advance()
         hidden = out.hidden_states[-1][:, -1] if want_hidden else None
@@ -81,8 +98,10 @@ class ModelRunner:
         """Last-layer hidden states of each candidate token placed after `row` ([k, hidden])."""
         k = len(candidates)
         cache = DynamicCache(
-            ddp_cache_data=[(kk[None].expand(k, -1, -1, -1), vv[None].expand(k, -1, -1, -1))
-                            for kk, vv in zip(row.keys, row.values)]
+            ddp_cache_data=[
+                (kk[None].expand(k, -1, -1, -1), vv[None].expand(k, -1, -1, -1))
+                for kk, vv in zip(row.keys, row.values)
+            ]
         )
         out = self._forward(
             input_ids=torch.tensor(candidates, device=self.device)[:, None],

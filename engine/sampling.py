@@ -1,4 +1,6 @@
-"""Logits → tokens for a sub-batch: penalties, bias, filters, seeded draws, logprobs. Pure tensor code."""
+"""Logits → tokens for a sub-batch: penalties, bias, filters, seeded draws, logprobs. Pure tensor
+code.
+"""
 
 from __future__ import annotations
 
@@ -18,8 +20,11 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], vocab: int) -> t
     Returns `logits` unchanged when no row asks for a penalty, so the common case costs nothing.
     """
     rows = [
-        i for i, s in enumerate(seqs)
-        if s.params.presence_penalty or s.params.frequency_penalty or s.params.repetition_penalty != 1.0
+        i
+        for i, s in enumerate(seqs)
+        if s.params.presence_penalty
+        or s.params.frequency_penalty
+        or s.params.repetition_penalty != 1.0
     ]
     if not rows:
         return logits
@@ -29,14 +34,19 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], vocab: int) -> t
         if s.counts is None:
             s.counts = torch.zeros(vocab, dtype=torch.float32, device=logits.device)
             if s.generated:
-                s.counts.index_add_(0, torch.tensor(s.generated, device=logits.device),
-                                    torch.ones(len(s.generated), device=logits.device))
+                s.counts.index_add_(
+                    0,
+                    torch.tensor(s.generated, device=logits.device),
+                    torch.ones(len(s.generated), device=logits.device),
+                )
         row = logits[i]
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(s.job.prompt_ids)), device=logits.device)
             seen = torch.unique(torch.cat([seen, s.counts.nonzero().flatten()]))
             vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            row[seen] = torch.where(
+                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+            )
         if p.frequency_penalty:
             row -= p.frequency_penalty * s.counts
         if p.presence_penalty:
@@ -52,11 +62,15 @@ def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     for i in rows:
         bias = seqs[i].params.logit_bias
         ids = torch.tensor(list(bias.keys()), device=logits.device)
-        logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+        logits[i, ids] += torch.tensor(
+            list(bias.values()), dtype=logits.dtype, device=logits.device
+        )
     return logits
 
 
-def block_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> torch.Tensor:
+def block_stop_tokens(
+    logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]
+) -> torch.Tensor:
     """Before `min_new_tokens` are out, EOS and stop tokens cannot be chosen."""
     rows = [i for i, s in enumerate(seqs) if len(s.generated) < s.params.min_new_tokens]
     if not rows:
@@ -68,8 +82,13 @@ def block_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[
     return logits
 
 
-def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p, each per row (0 / 1.0 / 0 switch a filter off)."""
     logits = logits / temperature[:, None]
     vocab = logits.shape[-1]
@@ -78,7 +97,8 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     k = torch.where(top_k > 0, top_k, vocab)
     remove = ranks >= k[:, None]
     probs = sorted_logits.softmax(dim=-1)
-    # Keep the smallest set whose mass reaches top_p: drop a token when the mass before it already does.
+    # Keep the smallest set whose mass reaches top_p: drop a token when the mass before it already
+    # does.
     mass_before = probs.cumsum(dim=-1) - probs
     remove |= mass_before >= top_p[:, None]
     remove |= probs < (min_p * probs[:, :1])
@@ -87,7 +107,9 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def sample_rows(logits: torch.Tensor, seqs: list[Sequence], default_gen: torch.Generator) -> list[int]:
+def sample_rows(
+    logits: torch.Tensor, seqs: list[Sequence], default_gen: torch.Generator
+) -> list[int]:
     """Draw one token per row from filtered logits, each row from its own generator when seeded."""
     dev = logits.device
     p = [s.params for s in seqs]
@@ -115,6 +137,8 @@ def logprobs_for(logits: torch.Tensor, tokens: list[int], top_n: list[int]) -> l
     for i, tok in enumerate(tokens):
         top = []
         if tops is not None and top_n[i]:
-            top = list(zip(tops.indices[i, : top_n[i]].tolist(), tops.values[i, : top_n[i]].tolist()))
+            top = list(
+                zip(tops.indices[i, : top_n[i]].tolist(), tops.values[i, : top_n[i]].tolist())
+            )
         out.append(TokenLogprob(tok, chosen[i], top))
     return out

@@ -43,9 +43,14 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise InvalidParams naming the first parameter out of range."""
         if self.strategy is not None and self.strategy not in STRATEGIES:
-            raise InvalidParams("decoding_strategy", f"decoding_strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+            raise InvalidParams(
+                "decoding_strategy",
+                f"decoding_strategy must be one of {STRATEGIES}, got {self.strategy!r}",
+            )
         if not 0.0 <= self.temperature <= 2.0:
-            raise InvalidParams("temperature", f"temperature must be in [0, 2], got {self.temperature}")
+            raise InvalidParams(
+                "temperature", f"temperature must be in [0, 2], got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidParams("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -53,24 +58,35 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidParams("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if not 0.0 <= self.penalty_alpha <= 1.0:
-            raise InvalidParams("penalty_alpha", f"penalty_alpha must be in [0, 1], got {self.penalty_alpha}")
+            raise InvalidParams(
+                "penalty_alpha", f"penalty_alpha must be in [0, 1], got {self.penalty_alpha}"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:
                 raise InvalidParams(name, f"{name} must be in [-2, 2], got {v}")
         if self.repetition_penalty <= 0.0:
-            raise InvalidParams("repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise InvalidParams(
+                "repetition_penalty",
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+            )
         for tok, bias in self.logit_bias.items():
             if not -100.0 <= bias <= 100.0:
-                raise InvalidParams("logit_bias", f"logit_bias for token {tok} must be in [-100, 100], got {bias}")
+                raise InvalidParams(
+                    "logit_bias", f"logit_bias for token {tok} must be in [-100, 100], got {bias}"
+                )
         if self.max_new_tokens < 1:
             raise InvalidParams("max_tokens", f"max_tokens must be >= 1, got {self.max_new_tokens}")
         if self.min_new_tokens < 0 or self.min_new_tokens > self.max_new_tokens:
-            raise InvalidParams("min_tokens", f"min_tokens must be in [0, max_tokens], got {self.min_new_tokens}")
+            raise InvalidParams(
+                "min_tokens", f"min_tokens must be in [0, max_tokens], got {self.min_new_tokens}"
+            )
         if not 1 <= self.n <= 16:
             raise InvalidParams("n", f"n must be in [1, 16], got {self.n}")
         if not 0 <= self.top_logprobs <= 20:
-            raise InvalidParams("top_logprobs", f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+            raise InvalidParams(
+                "top_logprobs", f"top_logprobs must be in [0, 20], got {self.top_logprobs}"
+            )
         if len(self.stop) > 16 or any(not s for s in self.stop):
             raise InvalidParams("stop", "stop takes at most 16 non-empty strings")
 

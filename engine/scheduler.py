@@ -6,14 +6,15 @@ import threading
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.job import Job, Sequence, SeqStatus
+from engine.job import Job, SeqStatus, Sequence
 from engine.partition import Partition, partition_by_sparsity
 from engine.queue import JobQueue
 
 
 @dataclass
 class StepPlan:
-    """What one step will do, decided before any forward call; tests assert on it without a model."""
+    """What one step will do, decided before any forward call; tests assert on it without a model.
+    """
 
     step: int
     aborted: list[Job] = field(default_factory=list)  # jobs cancelled this step (queued or running)

@@ -175,9 +175,15 @@ def test_property_streamed_text_equals_decode(tok, text: str, primed: bool) -> N
     prompt = encode(tok, CHAT_PROMPT) if primed else None
     detok = IncrementalDetokenizer(tok, prompt_ids=prompt)
     pieces = stream(detok, ids)
-    assert "".join(pieces) + detok.flush() == tok.decode(ids)
-    # Only a literal trailing U+FFFD may be held back to flush; nothing is sent half-built.
-    assert "".join(pieces) in (text, text.removesuffix("\ufffd"))
+    decoded = tok.decode(ids)
+    assert "".join(pieces) + detok.flush() == decoded
+    # Only text ending in U+FFFD (literal, or a character whose lead byte SmolLM2's vocabulary
+    # lacks, so encode() drops it) waits for flush; everything else is out after the last push.
+    # (encode() also drops a few rare characters outright, so `text` itself is no reference.)
+    if not decoded.endswith("\ufffd"):
+        assert "".join(pieces) == decoded
+    if "\ufffd" not in decoded:
+        assert not any("\ufffd" in p for p in pieces)  # nothing was sent half-built
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,51 @@
+"""Shared fixtures: the real SmolLM2 (embedded GGUF, cached as safetensors) and a tiny random model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, LoadedModel, load_model
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    """The embedded default model, loaded once per test session."""
+    return load_model(EngineConfig())
+
+
+@pytest.fixture(scope="session")
+def tiny_model(smollm2: LoadedModel) -> LoadedModel:
+    """A 2-layer randomly initialised Llama with SmolLM2's tokenizer: fast, for scheduling tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=smollm2.model.config.vocab_size, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=2048, eos_token_id=smollm2.model.config.eos_token_id,
+        bos_token_id=smollm2.model.config.bos_token_id, tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    return LoadedModel(model, smollm2.tokenizer, "tiny", "random", torch.device("cpu"),
+                       torch.float32, 0.0, False)
+
+
+@pytest.fixture
+def make_engine():
+    """Build engines over a loaded model; each is stopped at teardown.
+
+    `make_engine(loaded, background=False, **config)`: without a background thread the test drives
+    the engine with `step()` / `run_until_idle()`.
+    """
+    engines: list[Engine] = []
+
+    def make(loaded: LoadedModel, background: bool = False, **config) -> Engine:
+        eng = Engine(EngineConfig(**config), loaded=loaded)
+        eng.start(background=background)
+        engines.append(eng)
+        return eng
+
+    yield make
+    for eng in engines:
+        eng.stop(drain=False)

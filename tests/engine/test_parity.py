@@ -1,0 +1,102 @@
+"""Greedy output equals transformers `generate`, token for token: alone, in a rolling batch with
+joins at different steps and max-sparsity splitting, and with the system-prompt cache."""
+
+from __future__ import annotations
+
+from engine import SamplingParams
+from tests.engine.helpers import collect, reference_greedy, varied_prompts
+
+
+def greedy(n: int, min_new: int = 0) -> SamplingParams:
+    return SamplingParams(strategy="greedy", max_new_tokens=n, min_new_tokens=min_new)
+
+
+def test_single_jobs_equal_generate(smollm2, make_engine):
+    eng = make_engine(smollm2)
+    for ids in varied_prompts(smollm2.tokenizer, 3):
+        h = eng.submit(ids, greedy(24))
+        eng.run_until_idle()
+        got = collect(h)[0]
+        assert got["tokens"] == reference_greedy(smollm2.model, ids, 24)
+        assert got["text"] == smollm2.tokenizer.decode(got["tokens"], skip_special_tokens=True)
+
+
+def test_rolling_batch_with_splitting_equals_generate(smollm2, make_engine):
+    eng = make_engine(smollm2, max_rolling_batch_size=16, max_sparsity=0.05, max_splits=3)
+    prompts = varied_prompts(smollm2.tokenizer, 10)
+    # Every job runs its whole budget (EOS blocked, on both sides), so they leave at different
+    # steps.
+    budgets = [10 + 3 * i for i in range(len(prompts))]
+    handles, stats, i = {}, [], 0
+    # Three jobs start together; the rest join one every third step while the batch runs.
+    for _ in range(3):
+        handles[i] = eng.submit(prompts[i], greedy(budgets[i], budgets[i]))
+        i += 1
+    while eng.scheduler.has_work or i < len(prompts):
+        if i < len(prompts) and len(stats) % 3 == 2:
+            handles[i] = eng.submit(prompts[i], greedy(budgets[i], budgets[i]))
+            i += 1
+        stats.append(eng.step())
+    assert len({s.step for s in stats if s.admitted}) >= 4, "jobs should join at different steps"
+    assert max(s.sub_batches for s in stats) >= 2, "splitting should be active"
+    assert max(s.running for s in stats) >= 6
+    for j, h in handles.items():
+        got = collect(h)[0]
+        assert got["tokens"] == reference_greedy(
+            smollm2.model, prompts[j], budgets[j], budgets[j]
+        ), f"job {j}"
+
+
+def _chat(tokenizer, system: str, user: str) -> tuple[list[int], int]:
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    full = tokenizer.encode(
+        tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    )
+    head = tokenizer.encode(tokenizer.apply_chat_template(msgs[:1], tokenize=False))
+    assert full[: len(head)] == head
+    return full, len(head)
+
+
+SYSTEM = (
+    "You are a careful assistant for a shipping company. Answer briefly, cite the policy "
+    "section when you can, and never invent tracking numbers. Be polite and concise."
+)
+QUESTIONS = [
+    "Where is my parcel?",
+    "Can I change the delivery address after dispatch?",
+    "What does 'held at depot' mean?",
+    "How do I return a damaged item?",
+]
+
+
+def test_prompt_cache_hits_and_equals_generate(smollm2, make_engine):
+    tok = smollm2.tokenizer
+    eng = make_engine(smollm2, max_rolling_batch_size=8)
+    jobs = [_chat(tok, SYSTEM, q) for q in QUESTIONS]
+    first = eng.submit(jobs[0][0], greedy(20), prefix_len=jobs[0][1])
+    eng.run_until_idle()
+    rest = [eng.submit(ids, greedy(20), prefix_len=p) for ids, p in jobs[1:]]
+    eng.run_until_idle()
+    outs = [collect(first)[0]] + [collect(h)[0] for h in rest]
+    assert outs[0]["deltas"][-1].cached_tokens == 0  # the miss that filled the cache
+    for (_, p), got in zip(jobs[1:], outs[1:]):
+        assert got["deltas"][-1].cached_tokens == p > 0
+    for (ids, _), got in zip(jobs, outs):
+        assert got["tokens"] == reference_greedy(smollm2.model, ids, 20)
+    assert eng.prefix_cache.hits == 3
+    eng.prefix_cache.check_integrity()
+
+
+def test_prompt_cache_off_gives_same_output(smollm2, make_engine):
+    tok = smollm2.tokenizer
+    on = make_engine(smollm2)
+    off = make_engine(smollm2, prompt_cache_bytes=0)
+    ids, p = _chat(tok, SYSTEM, QUESTIONS[1])
+    outs = []
+    for eng in (on, on, off):
+        h = eng.submit(ids, greedy(16), prefix_len=p)
+        eng.run_until_idle()
+        outs.append(collect(h)[0])
+    assert outs[1]["deltas"][-1].cached_tokens == p
+    assert outs[2]["deltas"][-1].cached_tokens == 0
+    assert outs[0]["tokens"] == outs[1]["tokens"] == outs[2]["tokens"]
