@@ -1,0 +1,35 @@
+"""Access to the official OpenAI schema checker in the `shared/` folder beside the checkout.
+
+CI clones the repository with `shared/` next to it; elsewhere the schema tests skip, saying why.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CHECKER = REPO.parent / "shared" / "tools" / "openai_schema.py"
+
+
+def load_schema_errors() -> Callable[[str, object], list[str]]:
+    """`schema_errors(name, body)` from shared/tools/openai_schema.py, or skip the test."""
+    if not CHECKER.is_file():
+        pytest.skip(f"OpenAI schema checker not found at {CHECKER} (the shared/ folder that "
+                    "sits beside the checkout)")
+    spec = importlib.util.spec_from_file_location("openai_schema", CHECKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not module.SPEC.is_file():
+        pytest.skip(f"OpenAI reference schema not found at {module.SPEC}")
+    return module.schema_errors
+
+
+def conforms_as_completion_chunk(schema_errors, chunk) -> bool:
+    """Completions stream chunks share CreateCompletionResponse, whose finish_reason is a string;
+    OpenAI (and vLLM) send null until a choice finishes, so that one deviation is allowed."""
+    errors = schema_errors("CreateCompletionResponse", chunk, limit=50)
+    return all("finish_reason: None" in e for e in errors)
