@@ -156,7 +156,7 @@ class Engine:
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop admitting; with `drain`, let running and queued jobs finish first."""
         self.draining = True
-        if drain and self._thread is not None:
+        if drain and self._thread is not None:  # only the engine thread can drain the work
             deadline = None if timeout is None else time.monotonic() + timeout
             while self.scheduler.has_work and (deadline is None or time.monotonic() < deadline):
                 time.sleep(0.02)
@@ -165,6 +165,11 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+        # Whatever is left ends now, so no client waits forever on a stream.
+        while len(self.scheduler.queue):
+            job = self.scheduler.queue.pop()
+            self.scheduler.running.extend(job.seqs)
+        self._fail_all("the engine stopped before this job finished")
 
     def submit(
         self,

@@ -152,3 +152,15 @@ def test_scheduler_plan_without_a_model():
     plan = sched.schedule()
     assert [j.job_id for j in plan.aborted] == ["b"]
     assert all(s.status == SeqStatus.ABORT for s in jobs[1].seqs)
+
+
+def test_stop_without_drain_ends_every_stream(tiny_model):
+    eng = Engine(EngineConfig(max_rolling_batch_size=1), loaded=tiny_model)
+    eng.start(background=False)
+    running = eng.submit([1, 2, 3], params(50))
+    waiting = eng.submit([4, 5, 6], params(50))
+    eng.step()
+    eng.stop(drain=False)
+    for h in (running, waiting):
+        out = collect(h)[0]
+        assert out["finish"] == "error" and "stopped" in out["deltas"][-1].error
