@@ -1,0 +1,1 @@
+"""Benchmark scripts (not tests): ShareGPT loading, throughput, splitting, scheduler overhead."""
