@@ -124,24 +124,55 @@ class SubBatch:
         self.width += 1
 
 
-def build_sub_batch(seqs: list[Sequence], rows: list[RowKV]) -> SubBatch:
-    """Write rows into a fresh left-padded slab, `GROWTH_COLUMNS` wide beyond the longest row."""
-    width = max(r.length for r in rows)
-    ref = rows[0].keys[0]
-    heads, dim = ref.shape[0], ref.shape[-1]
-    n_layers = len(rows[0].keys)
+def build_sub_batch(seqs: list[Sequence], sources: list[tuple[SubBatch, int] | RowKV]) -> SubBatch:
+    """Write rows into a fresh left-padded slab, `GROWTH_COLUMNS` wide beyond the longest row.
+
+    A source is a row of an existing sub-batch, `(sub_batch, index)`, or a newly prefilled RowKV.
+    Rows taken from one sub-batch move with one gather per layer: their real tokens all lie in
+    that sub-batch's rightmost `width` columns, and its padding columns are zeros.
+    """
+    width = max(s.kv_len for s in seqs)
+    moved: dict[SubBatch, tuple[list[int], list[int]]] = {}
+    fresh: list[tuple[int, RowKV]] = []
+    for dst, src in enumerate(sources):
+        if isinstance(src, RowKV):
+            fresh.append((dst, src))
+        else:
+            dsts, rows = moved.setdefault(src[0], ([], []))
+            dsts.append(dst)
+            rows.append(src[1])
+    proto = fresh[0][1] if fresh else None
     layers = []
-    for li in range(n_layers):
-        kbuf = ref.new_zeros((len(rows), heads, width + GROWTH_COLUMNS, rows[0].keys[li].shape[-1]))
-        vbuf = ref.new_zeros(
-            (len(rows), heads, width + GROWTH_COLUMNS, rows[0].values[li].shape[-1])
-        )
-        for i, r in enumerate(rows):
-            kbuf[i, :, width - r.length : width] = r.keys[li]
-            vbuf[i, :, width - r.length : width] = r.values[li]
+    for li in range(_layer_count(sources)):
+        if proto is not None:
+            ref_k, ref_v = proto.keys[li], proto.values[li]
+            heads, kdim, vdim = ref_k.shape[0], ref_k.shape[-1], ref_v.shape[-1]
+        else:
+            old = next(iter(moved)).cache.layers[li]
+            ref_k, ref_v = old.kbuf, old.vbuf
+            heads, kdim, vdim = ref_k.shape[1], ref_k.shape[-1], ref_v.shape[-1]
+        kbuf = ref_k.new_empty((len(seqs), heads, width + GROWTH_COLUMNS, kdim))
+        vbuf = ref_v.new_empty((len(seqs), heads, width + GROWTH_COLUMNS, vdim))
+        # Padding must hold finite values (masked scores still multiply V); zero the used window.
+        kbuf[:, :, :width].zero_()
+        vbuf[:, :, :width].zero_()
+        for sb, (dsts, rows) in moved.items():
+            w = min(sb.width, width)
+            src = sb.cache.layers[li]
+            idx = torch.tensor(rows, device=kbuf.device)
+            at = torch.tensor(dsts, device=kbuf.device)
+            kbuf[at, :, width - w : width] = src.kbuf[idx, :, sb.width - w : sb.width]
+            vbuf[at, :, width - w : width] = src.vbuf[idx, :, sb.width - w : sb.width]
+        for dst, row in fresh:
+            kbuf[dst, :, width - row.length : width] = row.keys[li]
+            vbuf[dst, :, width - row.length : width] = row.values[li]
         layers.append(SlabLayer(kbuf, vbuf, width))
-    del dim
     return SubBatch(list(seqs), SlabCache(layers), width)
+
+
+def _layer_count(sources: list[tuple[SubBatch, int] | RowKV]) -> int:
+    src = sources[0]
+    return len(src.keys) if isinstance(src, RowKV) else len(src[0].cache.layers)
 
 
 def row_from_cache(cache: Cache, index: int = 0, length: int | None = None) -> RowKV:
@@ -187,12 +218,6 @@ class RollingBatch:
             if kept is not None:
                 result.append(kept)
                 continue
-            rows = []
-            for s in group:
-                if s in new_rows:
-                    rows.append(new_rows[s])
-                else:
-                    sb, i = where[s]
-                    rows.append(sb.row(i))
+            rows = [new_rows[s] if s in new_rows else where[s] for s in group]
             result.append(build_sub_batch(group, rows))
         self.sub_batches = result
