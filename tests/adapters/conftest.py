@@ -1,12 +1,11 @@
 import pytest
 
-from tests.app.model import shared_model
 from tests.app.schema import load_schema_errors
 
 
 @pytest.fixture(scope="session")
-def tokenizer():
-    return shared_model().tokenizer
+def tokenizer(smollm2):
+    return smollm2.tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -74,7 +74,8 @@ def test_context_overflow_is_context_length_exceeded():
         max_tokens_for(9000, 100, 8192, "max_tokens", "messages")
     err = info.value
     assert err.status == 400 and err.code == "context_length_exceeded"
-    assert "maximum context length is 8192" in err.message and "context_length_exceeded" in err.message
+    assert "maximum context length is 8192" in err.message
+    assert "context_length_exceeded" in err.message
     assert err.param == "messages"
     with pytest.raises(ApiError) as info:
         max_tokens_for(None, 8192, 8192, "max_tokens", "messages")

@@ -1,4 +1,5 @@
-"""Live servers for the app tests: real uvicorn on free loopback ports, one real SmolLM2.
+"""Live servers for the app tests: real uvicorn on free loopback ports, one real SmolLM2
+(`smollm2`, loaded once per session by tests/conftest.py).
 
 `live_server` is the main one (session-wide). Others share its engine or at least its weights:
 `auth_server` (API keys) and `jsonlines_server` share the engine; `tiny_server` has its own
@@ -23,7 +24,6 @@ from app.factory import create_app
 from app.lifespan import GatewayState
 from app.settings import ServerSettings, Settings
 from engine import Engine, EngineConfig
-from tests.app.model import shared_model
 from tests.app.schema import load_schema_errors
 
 API_KEYS = ("sk-test-one", "sk-test-two")
@@ -89,8 +89,8 @@ def settings(**server) -> Settings:
 
 
 @pytest.fixture(scope="session")
-def gateway_engine() -> Iterator[Engine]:
-    engine = Engine(EngineConfig(max_rolling_batch_size=8), loaded=shared_model())
+def gateway_engine(smollm2) -> Iterator[Engine]:
+    engine = Engine(EngineConfig(max_rolling_batch_size=8), loaded=smollm2)
     engine.start()
     yield engine
     engine.stop(drain=False)
@@ -118,9 +118,9 @@ def jsonlines_server(gateway_engine) -> Iterator[LiveServer]:
 
 
 @pytest.fixture(scope="module")
-def tiny_server() -> Iterator[LiveServer]:
+def tiny_server(smollm2) -> Iterator[LiveServer]:
     config = EngineConfig(max_rolling_batch_size=1, job_queue_size=0)
-    engine = Engine(config, loaded=shared_model())
+    engine = Engine(config, loaded=smollm2)
     engine.start()
     srv = start_server(create_app(Settings(server=ServerSettings(), engine=config),
                                   engine=engine))

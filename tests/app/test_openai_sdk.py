@@ -12,6 +12,8 @@ from engine import SamplingParams
 from tests.app.schema import conforms_as_completion_chunk
 from tests.app.sse import read_stream
 
+pytestmark = pytest.mark.slow  # a live server with the real model
+
 HELLO = [{"role": "user", "content": "Name three colors."}]
 LONG_SYSTEM = ("You are a meticulous assistant for a hardware store. Answer in one short "
                "sentence, mention a product when it helps, and never invent prices.")

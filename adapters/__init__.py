@@ -1,0 +1,1 @@
+"""Protocol translation between OpenAI / DJL requests and engine jobs: pure functions, no I/O."""

@@ -1,0 +1,94 @@
+"""Errors in OpenAI's envelope: `{"error": {"message", "type", "param", "code"}}`.
+
+`code` is always a string: the openai SDK and LangChain surface only what is in the envelope, and
+LangChain recognises a context overflow only by the text `context_length_exceeded` or "maximum
+context length" in the message. Headers tell the SDK whether a retry can help: `Retry-After` on
+429/503, `x-should-retry: false` on errors that a retry would only repeat.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine import ContextLengthExceeded, EngineStopped, InvalidParams, QueueFull
+
+# Error types by status, as OpenAI names them.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+# Seconds a client should wait before retrying a refused request.
+QUEUE_FULL_RETRY_AFTER = 1
+DRAINING_RETRY_AFTER = 5
+
+
+@dataclass
+class ApiError(Exception):
+    """An error answered to the client in OpenAI's envelope, with its HTTP status and headers."""
+
+    status: int
+    message: str
+    code: str
+    param: str | None = None
+    type: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+        self.type = self.type or _TYPES.get(self.status, "invalid_request_error"
+                                            if self.status < 500 else "server_error")
+        # 4xx other than 408/409/429 repeat on retry; the SDK retries only when told it can help.
+        if 400 <= self.status < 500 and self.status not in (408, 409, 429):
+            self.headers.setdefault("x-should-retry", "false")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    @classmethod
+    def bad_request(cls, message: str, param: str | None = None,
+                    code: str = "invalid_value") -> ApiError:
+        return cls(400, message, code, param)
+
+    @classmethod
+    def unsupported(cls, param: str, detail: str = "") -> ApiError:
+        return cls(400, f"The parameter '{param}' is not supported by this server{detail}.",
+                   "unsupported_parameter", param)
+
+    @classmethod
+    def model_not_found(cls, model: str, served: str) -> ApiError:
+        return cls(404, f"The model '{model}' does not exist. This server serves '{served}'.",
+                   "model_not_found", "model")
+
+
+def from_engine_error(exc: Exception) -> ApiError:
+    """Translate an exception raised by `Engine.submit` into the API error it means."""
+    if isinstance(exc, ContextLengthExceeded):
+        return ApiError(400, str(exc), "context_length_exceeded", exc.param)
+    if isinstance(exc, InvalidParams):
+        return ApiError(400, str(exc), "invalid_value", exc.param)
+    if isinstance(exc, QueueFull):
+        return ApiError(429, f"The server is at capacity: {exc}.", "rate_limit_exceeded",
+                        headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER)})
+    if isinstance(exc, EngineStopped):
+        return draining_error()
+    return ApiError(500, f"Internal error: {type(exc).__name__}: {exc}", "internal_error")
+
+
+def draining_error() -> ApiError:
+    return ApiError(503, "The server is shutting down and accepts no new requests.",
+                    "service_unavailable", headers={"Retry-After": str(DRAINING_RETRY_AFTER)})
+
+
+def generation_error(message: str | None) -> ApiError:
+    """A job that failed inside the engine (finish_reason 'error')."""
+    return ApiError(500, f"Generation failed: {message or 'internal engine error'}",
+                    "generation_failed")

@@ -1,0 +1,198 @@
+"""POST /v1/completions (legacy): prompts as text or token ids → engine jobs, and deltas →
+a response or stream chunks. One engine job per prompt; choice index = prompt × n + sequence."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from adapters.errors import ApiError
+from adapters.openai_params import (
+    JobSpec,
+    ResponseMeta,
+    max_tokens_for,
+    openai_finish_reason,
+    sampling_params,
+)
+from adapters.openai_types import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from adapters.token_text import TokenText
+from adapters.usage import UsageCounter
+from engine import JobDelta
+
+# OpenAI's own default for this endpoint (chat has none).
+DEFAULT_MAX_TOKENS = 16
+MAX_PROMPTS = 64
+
+
+@dataclass
+class Prompt:
+    """One prompt of a completions request: its ids and its text (for echo)."""
+
+    ids: list[int]
+    text: str
+
+
+def _is_ids(x: object) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def parse_prompts(prompt: str | list, tokenizer) -> list[Prompt]:
+    """Text, list of texts, token ids, or list of token-id lists → prompts (400 otherwise)."""
+    if isinstance(prompt, str):
+        items: list = [prompt]
+    elif _is_ids(prompt) and prompt:
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt and (
+            all(isinstance(p, str) for p in prompt) or all(_is_ids(p) for p in prompt)):
+        items = prompt
+    else:
+        raise ApiError.bad_request("prompt must be a string, a list of strings, a list of token "
+                                   "ids, or a list of token-id lists, and not empty",
+                                   param="prompt", code="invalid_type")
+    if len(items) > MAX_PROMPTS:
+        raise ApiError.bad_request(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            out.append(Prompt(tokenizer.encode(item), item))
+        else:
+            if not item:
+                raise ApiError.bad_request("a token-id prompt must not be empty", param="prompt")
+            vocab = len(tokenizer)
+            if bad := [t for t in item if not 0 <= t < vocab]:
+                raise ApiError.bad_request(f"token id {bad[0]} is outside the vocabulary "
+                                           f"[0, {vocab})", param="prompt")
+            out.append(Prompt(list(item), tokenizer.decode(item)))
+    if any(not p.ids for p in out):
+        raise ApiError.bad_request("the prompt is empty after tokenization", param="prompt")
+    return out
+
+
+def check_supported(req: CompletionRequest) -> None:
+    if req.suffix:
+        raise ApiError.unsupported("suffix", " (no fill-in-the-middle)")
+    n = 1 if req.n is None else req.n
+    if req.best_of is not None and req.best_of != n:
+        raise ApiError.unsupported("best_of", " (only best_of equal to n)")
+    if req.echo and req.logprobs is not None:
+        raise ApiError.unsupported("echo", " together with logprobs (prompt log-probabilities "
+                                   "are not computed)")
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise ApiError.bad_request(f"logprobs must be in [0, 20], got {req.logprobs}",
+                                   param="logprobs")
+
+
+def build_completion_jobs(req: CompletionRequest, tokenizer,
+                          max_model_len: int) -> tuple[list[JobSpec], list[Prompt]]:
+    """One job per prompt; everything is checked before any job is submitted."""
+    check_supported(req)
+    prompts = parse_prompts(req.prompt, tokenizer)
+    requested = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    jobs = []
+    for p in prompts:
+        budget = max_tokens_for(requested, len(p.ids), max_model_len, "max_tokens", "prompt")
+        params = sampling_params(req, max_tokens=budget, logprobs=req.logprobs is not None,
+                                 top_logprobs=req.logprobs or 0)
+        jobs.append(JobSpec(p.ids, params))
+    return jobs, prompts
+
+
+class _LogprobsBuilder:
+    """Completions-format logprobs for one choice: parallel lists, with character offsets."""
+
+    def __init__(self, offset: int):
+        self.lp = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        self.offset = offset
+
+    def add(self, delta: JobDelta, token_text: TokenText) -> CompletionLogprobs:
+        part = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for entry in delta.logprobs or []:
+            text = token_text.text(entry.token_id)
+            top = {token_text.text(t): v for t, v in entry.top}
+            top.setdefault(text, entry.logprob)  # the chosen token always appears, as in vLLM
+            for target in (self.lp, part):
+                target.tokens.append(text)
+                target.token_logprobs.append(entry.logprob)
+                target.top_logprobs.append(top)
+                target.text_offset.append(self.offset)
+            self.offset += len(text)
+        return part
+
+
+class CompletionAssembler:
+    """Collects every job's deltas into the non-streaming completions response."""
+
+    def __init__(self, meta: ResponseMeta, prompts: list[Prompt], n: int, echo: bool,
+                 token_text: TokenText, logprobs: bool):
+        self.meta, self.n, self.token_text = meta, n, token_text
+        count = len(prompts) * n
+        self.texts = [[prompts[i // n].text] if echo else [] for i in range(count)]
+        self.logprobs = [_LogprobsBuilder(len(prompts[i // n].text) if echo else 0)
+                         if logprobs else None for i in range(count)]
+        self.finish: list[str | None] = [None] * count
+        self.usage = UsageCounter()
+
+    def add(self, prompt_index: int, delta: JobDelta) -> None:
+        i = prompt_index * self.n + delta.index
+        self.usage.add(delta)
+        self.texts[i].append(delta.text)
+        if (lp := self.logprobs[i]) is not None:
+            lp.add(delta, self.token_text)
+        if delta.finish_reason is not None:
+            self.finish[i] = openai_finish_reason(delta.finish_reason)
+
+    def response(self) -> CompletionResponse:
+        choices = [CompletionChoice(index=i, text="".join(t),
+                                    logprobs=self.logprobs[i].lp if self.logprobs[i] else None,
+                                    finish_reason=self.finish[i] or "stop")
+                   for i, t in enumerate(self.texts)]
+        m = self.meta
+        return CompletionResponse(id=m.id, created=m.created, model=m.model, choices=choices,
+                                  system_fingerprint=m.system_fingerprint,
+                                  usage=self.usage.total())
+
+
+class CompletionChunker:
+    """Turns deltas into completions stream chunks (same shape as the response, one choice)."""
+
+    def __init__(self, meta: ResponseMeta, prompts: list[Prompt], n: int, echo: bool,
+                 token_text: TokenText, logprobs: bool, include_usage: bool):
+        self.meta, self.prompts, self.n, self.echo = meta, prompts, n, echo
+        self.token_text, self.include_usage = token_text, include_usage
+        count = len(prompts) * n
+        self.logprobs = [_LogprobsBuilder(len(prompts[i // n].text) if echo else 0)
+                         if logprobs else None for i in range(count)]
+        self.usage = UsageCounter()
+
+    def _chunk(self, choices: list[CompletionChoice]) -> CompletionResponse:
+        m = self.meta
+        # Unlike chat's, this schema has no null usage: it is absent until the last chunk.
+        return CompletionResponse(id=m.id, created=m.created, model=m.model, choices=choices,
+                                  system_fingerprint=m.system_fingerprint)
+
+    def start(self) -> list[CompletionResponse]:
+        if not self.echo:
+            return []
+        return [self._chunk([CompletionChoice(i, self.prompts[i // self.n].text, None, None)])
+                for i in range(len(self.prompts) * self.n)]
+
+    def on_delta(self, prompt_index: int, delta: JobDelta) -> list[CompletionResponse]:
+        i = prompt_index * self.n + delta.index
+        self.usage.add(delta)
+        builder = self.logprobs[i]
+        lp = builder.add(delta, self.token_text) if builder is not None else None
+        finish = openai_finish_reason(delta.finish_reason)
+        if not delta.text and finish is None and not (lp and lp.tokens):
+            return []
+        return [self._chunk([CompletionChoice(i, delta.text, lp, finish)])]
+
+    def finish(self) -> list[CompletionResponse]:
+        if not self.include_usage:
+            return []
+        chunk = self._chunk([])
+        chunk.usage = self.usage.total()
+        return [chunk]

@@ -1,0 +1,121 @@
+"""The `seqgate` command: `seqgate serve [flags]` and `seqgate openapi [PATH]`.
+
+Shutdown: the first SIGTERM or SIGINT drains — new requests get 503 and /health turns 503 while
+running and queued jobs finish (up to `drain_timeout`), then uvicorn closes its connections and
+exits. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import uvicorn
+
+from app.factory import create_app
+from app.lifespan import GatewayState
+from app.properties import PropertiesError
+from app.settings import Settings, SettingsError, add_arguments, load_settings
+
+log = logging.getLogger("seqgate")
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with a drain before exit and a ready banner once the socket listens."""
+
+    def __init__(self, config: uvicorn.Config, gateway: GatewayState):
+        super().__init__(config)
+        self.gateway = gateway
+        self._drain_started = False
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._drain_started:  # second signal: stop now
+            self.force_exit = True
+            self.should_exit = True
+            return
+        self._drain_started = True
+        self.gateway.draining = True
+        log.info("received %s: draining (new requests get 503; running jobs finish; "
+                 "signal again to exit now)", signal.Signals(sig).name)
+        threading.Thread(target=self._drain_then_exit, name="seqgate-drain", daemon=True).start()
+
+    def _drain_then_exit(self) -> None:
+        engine = self.gateway.engine
+        if engine is not None:
+            engine.stop(drain=True, timeout=self.gateway.settings.server.drain_timeout)
+        # uvicorn now waits for open responses to finish sending, then runs the lifespan end.
+        self.should_exit = True
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and not self.should_exit:
+            print_banner(self)
+
+
+def print_banner(server: uvicorn.Server) -> None:
+    host, port = server.config.host, server.config.port
+    for s in server.servers:
+        for sock in s.sockets:
+            host, port = sock.getsockname()[:2]
+            break
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    url = f"http://{shown}:{port}"
+    gw: GatewayState = server.gateway
+    auth = ' -H "Authorization: Bearer $SEQGATE_API_KEY"' if gw.settings.server.api_keys else ""
+    body = json.dumps({"model": gw.model_name, "max_tokens": 32,
+                       "messages": [{"role": "user", "content": "Say hello in five words."}]})
+    print(f"seqgate is serving {gw.model_name} at {url}  (OpenAI base_url: {url}/v1, docs: "
+          f"{url}/docs)\n"
+          f"try:  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+          f"-d '{body}'", flush=True)
+
+
+def serve(settings: Settings) -> int:
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=settings.server.host, port=settings.server.port,
+                            log_level=settings.server.log_level, lifespan="on",
+                            timeout_graceful_shutdown=max(settings.server.drain_timeout, 1))
+    server = DrainingServer(config, app.state.gateway)
+    server.run()
+    return 0 if server.started else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="seqgate", description="OpenAI-compatible LLM gateway "
+                                     "over the seq-scheduler")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_p = sub.add_parser("serve", help="serve a model (default: the embedded SmolLM2)",
+                             description="Settings: flags > SEQGATE_* environment > "
+                             "--config serving.properties > defaults.")
+    add_arguments(serve_p)
+    api_p = sub.add_parser("openapi", help="write the OpenAPI document")
+    api_p.add_argument("path", nargs="?", type=Path, default=None,
+                       help="where to write it (default: the committed openapi/openapi.json)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "openapi":
+        # One writer for the document, so `seqgate openapi` and the staleness check agree.
+        from openapi.generate import DOCUMENT, write
+
+        print(write(args.path or DOCUMENT))
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s")
+    try:
+        settings = load_settings(args)
+    except (SettingsError, PropertiesError) as exc:
+        print(f"seqgate: error: {exc}", file=sys.stderr)
+        return 2
+    logging.getLogger().setLevel(settings.server.log_level.upper())
+    return serve(settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

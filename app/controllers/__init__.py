@@ -1,0 +1,1 @@
+"""One controller module per API surface: OpenAI, DJL, operations."""

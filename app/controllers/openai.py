@@ -1,0 +1,142 @@
+"""OpenAI endpoints: /v1/chat/completions, /v1/completions, /v1/models. Routing only: the
+adapters translate, the engine generates, app/streaming.py moves the deltas."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+from litestar import Controller, Request, Response, get, post
+from litestar.params import FromPath
+
+from adapters.errors import ApiError, draining_error
+from adapters.openai_chat import ChatAssembler, ChatChunker, build_chat_job
+from adapters.openai_completions import (
+    CompletionAssembler,
+    CompletionChunker,
+    build_completion_jobs,
+)
+from adapters.openai_params import ResponseMeta, check_model
+from adapters.openai_types import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    T,
+    decode_request,
+)
+from app.api_docs import documented
+from app.auth import require_api_key
+from app.lifespan import Gateway, GatewayState
+from app.streaming import JobStream, collect, sse_response, submit_all
+
+log = logging.getLogger("seqgate.app.openai")
+
+# When the model card says the model was "created": the process start is the honest answer.
+_STARTED = int(time.time())
+
+
+def json_response(obj: object, status: int = 200) -> Response:
+    return Response(content=msgspec.json.encode(obj), status_code=status,
+                    media_type="application/json")
+
+
+async def parse(request: Request, gw: GatewayState, type_: type[T]) -> T:
+    """Refuse while not ready or draining, then decode the body (unknown fields logged only)."""
+    if not gw.accepting:
+        raise draining_error() if gw.draining or gw.engine is None or gw.engine.draining else \
+            ApiError(503, "The model is still loading.", "service_unavailable",
+                     headers={"Retry-After": "5"})
+    req, unknown = decode_request(await request.body(), type_)
+    if unknown:
+        log.info("%s: ignoring unknown fields %s", request.url.path, unknown)
+    check_model(getattr(req, "model", None), gw.model_name)
+    return req
+
+
+class ChatCompletionsController(Controller):
+    """POST /v1/chat/completions: chat template, system-prompt cache key, stream or JSON."""
+
+    path = "/v1/chat/completions"
+    guards = [require_api_key]
+    tags = ["OpenAI"]
+
+    @post("/", operation_id="createChatCompletion", summary="Create a chat completion",
+          status_code=200, operation_class=documented(
+              ChatCompletionRequest, ChatCompletionResponse, stream=ChatCompletionChunk))
+    async def create(self, request: Request, gw: Gateway) -> Response:
+        started = time.perf_counter()
+        req = await parse(request, gw, ChatCompletionRequest)
+        engine = gw.engine
+        spec = build_chat_job(req, engine.tokenizer, engine.max_model_len)
+        meta = ResponseMeta.new("chatcmpl", gw.model_name, gw.system_fingerprint)
+        handles = submit_all(engine, [spec], "messages")
+        stream = JobStream(engine, handles, gw.metrics, started)
+        n = spec.params.n
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            chunker = ChatChunker(meta, n, gw.token_text, include_usage)
+            return sse_response(stream, chunker.start(), lambda _, d: chunker.on_delta(d),
+                                chunker.finish, gw.settings.server.sse_ping_seconds)
+        assembler = ChatAssembler(meta, n, gw.token_text, bool(req.logprobs))
+        await collect(stream, request, lambda _, d: assembler.add(d))
+        return json_response(assembler.response())
+
+
+class CompletionsController(Controller):
+    """POST /v1/completions: text or token-id prompts, one choice per prompt × n."""
+
+    path = "/v1/completions"
+    guards = [require_api_key]
+    tags = ["OpenAI"]
+
+    @post("/", operation_id="createCompletion", summary="Create a completion", status_code=200,
+          operation_class=documented(CompletionRequest, CompletionResponse,
+                                     stream=CompletionResponse))
+    async def create(self, request: Request, gw: Gateway) -> Response:
+        started = time.perf_counter()
+        req = await parse(request, gw, CompletionRequest)
+        engine = gw.engine
+        specs, prompts = build_completion_jobs(req, engine.tokenizer, engine.max_model_len)
+        meta = ResponseMeta.new("cmpl", gw.model_name, gw.system_fingerprint)
+        handles = submit_all(engine, specs, "prompt")
+        stream = JobStream(engine, handles, gw.metrics, started)
+        n, echo, logprobs = specs[0].params.n, bool(req.echo), req.logprobs is not None
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            chunker = CompletionChunker(meta, prompts, n, echo, gw.token_text, logprobs,
+                                        include_usage)
+            return sse_response(stream, chunker.start(), chunker.on_delta, chunker.finish,
+                                gw.settings.server.sse_ping_seconds)
+        assembler = CompletionAssembler(meta, prompts, n, echo, gw.token_text, logprobs)
+        await collect(stream, request, assembler.add)
+        return json_response(assembler.response())
+
+
+class ModelsController(Controller):
+    """GET /v1/models and /v1/models/{id}: the one model this server serves."""
+
+    path = "/v1/models"
+    guards = [require_api_key]
+    tags = ["OpenAI"]
+
+    def _card(self, gw: GatewayState) -> ModelCard:
+        limit = gw.engine.max_model_len if gw.engine else 0
+        return ModelCard(id=gw.model_name, created=_STARTED, owned_by="seqgate",
+                         max_model_len=limit)
+
+    @get("/", operation_id="listModels", summary="List the served model",
+         operation_class=documented(None, ModelList, errors=("401",)))
+    async def list_models(self, gw: Gateway) -> Response:
+        return json_response(ModelList(data=[self._card(gw)]))
+
+    @get("/{model_id:path}", operation_id="retrieveModel", summary="Describe a model",
+         operation_class=documented(None, ModelCard, errors=("401", "404")))
+    async def retrieve(self, model_id: FromPath[str], gw: Gateway) -> Response:
+        model_id = model_id.lstrip("/")
+        check_model(model_id, gw.model_name)
+        return json_response(self._card(gw))

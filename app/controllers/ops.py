@@ -1,0 +1,102 @@
+"""Operations: /health, /version, /metrics, /tokenize, /detokenize."""
+
+from __future__ import annotations
+
+import platform
+
+from litestar import Controller, Request, Response, get, post
+
+from adapters.errors import ApiError
+from adapters.openai_chat import render_prompt, template_messages
+from adapters.openai_params import check_model
+from adapters.openai_types import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    decode_request,
+)
+from app.api_docs import documented
+from app.auth import require_api_key
+from app.controllers.openai import json_response
+from app.lifespan import Gateway, GatewayState
+from app.metrics import CONTENT_TYPE
+from app.version import __version__
+
+
+class OpsController(Controller):
+    """Health, version, metrics and tokenizer routes for operators and tooling."""
+
+    tags = ["Operations"]
+
+    @get("/health", operation_id="health", summary="200 once the model answers; 503 while "
+         "loading or draining")
+    async def health(self, gw: Gateway) -> Response:
+        if gw.accepting:
+            return Response(content={"status": "ok"}, status_code=200)
+        status = "draining" if gw.draining or (gw.engine and gw.engine.draining) else "loading"
+        return Response(content={"status": status}, status_code=503)
+
+    @get("/version", operation_id="version", summary="Versions and the engine's configuration")
+    async def version(self, gw: Gateway) -> dict:
+        import torch
+        import transformers
+
+        cfg = gw.settings.engine
+        engine = gw.engine
+        return {
+            "version": __version__,
+            "model": gw.model_name,
+            "max_model_len": engine.max_model_len if engine else None,
+            "device": str(engine.loaded.device) if engine else None,
+            "dtype": str(engine.loaded.dtype).removeprefix("torch.") if engine else None,
+            "engine": {"max_rolling_batch_size": cfg.max_rolling_batch_size,
+                       "job_queue_size": cfg.job_queue_size, "max_sparsity": cfg.max_sparsity,
+                       "max_splits": cfg.max_splits, "decoding_strategy": cfg.decoding_strategy,
+                       "num_threads": cfg.threads},
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        }
+
+    @get("/metrics", operation_id="metrics", summary="Prometheus metrics", media_type=CONTENT_TYPE)
+    async def metrics(self, gw: Gateway) -> Response:
+        return Response(content=gw.metrics.render(), media_type=CONTENT_TYPE)
+
+    @post("/tokenize", operation_id="tokenize", summary="Token ids of a text or a chat",
+          status_code=200, guards=[require_api_key],
+          operation_class=documented(TokenizeRequest, TokenizeResponse,
+                                     errors=("400", "401", "404", "503")))
+    async def tokenize(self, request: Request, gw: Gateway) -> Response:
+        engine = self._engine(gw)
+        req, _ = decode_request(await request.body(), TokenizeRequest)
+        check_model(req.model, gw.model_name)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError.bad_request("send exactly one of prompt or messages", param="prompt")
+        if req.messages is not None:
+            ids, _ = render_prompt(engine.tokenizer, template_messages(req.messages))
+        else:
+            add = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = engine.tokenizer.encode(req.prompt, add_special_tokens=add)
+        return json_response(TokenizeResponse(tokens=ids, count=len(ids),
+                                              max_model_len=engine.max_model_len))
+
+    @post("/detokenize", operation_id="detokenize", summary="Text of token ids", status_code=200,
+          guards=[require_api_key],
+          operation_class=documented(DetokenizeRequest, DetokenizeResponse,
+                                     errors=("400", "401", "404", "503")))
+    async def detokenize(self, request: Request, gw: Gateway) -> Response:
+        engine = self._engine(gw)
+        req, _ = decode_request(await request.body(), DetokenizeRequest)
+        check_model(req.model, gw.model_name)
+        vocab = len(engine.tokenizer)
+        if bad := [t for t in req.tokens if not 0 <= t < vocab]:
+            raise ApiError.bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                                       param="tokens")
+        return json_response(DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens)))
+
+    @staticmethod
+    def _engine(gw: GatewayState):
+        if gw.engine is None:
+            raise ApiError(503, "The model is still loading.", "service_unavailable")
+        return gw.engine

@@ -1,0 +1,66 @@
+"""create_app(settings, engine=None) → the Litestar app.
+
+Settings come in as an argument (never read from the environment at import), so tests and the
+CLI build apps the same way; an engine may be passed in to share one model across apps.
+"""
+
+from __future__ import annotations
+
+from litestar import Litestar
+from litestar.config.cors import CORSConfig
+from litestar.datastructures import State
+from litestar.di import Provide
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin
+from litestar.types import Message, Scope
+
+from app.controllers.djl import DjlController
+from app.controllers.openai import (
+    ChatCompletionsController,
+    CompletionsController,
+    ModelsController,
+)
+from app.controllers.ops import OpsController
+from app.exception_handlers import EXCEPTION_HANDLERS
+from app.lifespan import GatewayState, engine_lifespan
+from app.settings import Settings
+from app.version import __version__
+from engine import Engine
+
+
+def create_app(settings: Settings | None = None, engine: Engine | None = None) -> Litestar:
+    """Build the app. Without `engine`, the lifespan loads the configured model at start-up."""
+    settings = settings or Settings()
+    gateway = GatewayState(settings)
+    if engine is not None:
+        gateway.use_engine(engine)
+
+    def provide_gateway() -> GatewayState:
+        return gateway
+
+    async def count_response(message: Message, scope: Scope) -> None:
+        if message["type"] == "http.response.start":
+            route = scope.get("path_template") or "unmatched"
+            gateway.metrics.count_response(route, message["status"])
+
+    server = settings.server
+    return Litestar(
+        route_handlers=[ChatCompletionsController, CompletionsController, ModelsController,
+                        DjlController, OpsController],
+        dependencies={"gw": Provide(provide_gateway, use_cache=True, sync_to_thread=False)},
+        lifespan=[engine_lifespan],
+        state=State({"gateway": gateway}),
+        exception_handlers=EXCEPTION_HANDLERS,
+        before_send=[count_response],
+        request_max_body_size=server.max_request_bytes,
+        cors_config=CORSConfig(allow_origins=list(server.cors_origins))
+        if server.cors_origins else None,
+        openapi_config=OpenAPIConfig(
+            title="seqgate",
+            version=__version__,
+            description="OpenAI-compatible gateway over the seq-scheduler (rolling batching "
+                        "with max-sparsity splitting and a system-prompt KV cache).",
+            path="/docs",
+            render_plugins=[SwaggerRenderPlugin(path="/"), JsonRenderPlugin()],
+        ),
+    )

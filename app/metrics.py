@@ -1,0 +1,99 @@
+"""Prometheus metrics for one app: HTTP requests, engine steps, tokens, latency.
+
+Each app gets its own CollectorRegistry so several apps (tests) never collide. Engine totals are
+read from `engine.stats()` at scrape time rather than mirrored into counters, so they cannot
+drift; per-step distributions come from the engine's step listener (engine thread; prometheus
+client metrics are thread-safe).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engine import Engine, StepStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's counters and gauges when Prometheus scrapes."""
+
+    def __init__(self, get_engine: Callable[[], Engine | None]):
+        self._get_engine = get_engine
+
+    def collect(self):
+        engine = self._get_engine()
+        if engine is None:
+            return
+        s = engine.stats()
+        yield GaugeMetricFamily("seqgate_queue_depth", "Jobs waiting for a batch slot",
+                                value=s.queued)
+        yield GaugeMetricFamily("seqgate_running_sequences", "Sequences in the rolling batch",
+                                value=s.running)
+        yield GaugeMetricFamily("seqgate_prompt_cache_bytes", "Bytes held by the prompt cache",
+                                value=s.prefix_cache_bytes)
+        counters = (
+            ("seqgate_engine_steps", "Engine steps run", s.steps),
+            ("seqgate_prompt_tokens", "Prompt tokens submitted to the engine", s.prompt_tokens),
+            ("seqgate_generated_tokens", "Tokens generated", s.generated_tokens),
+            ("seqgate_prompt_cache_hits", "Prefills that reused a cached system prompt",
+             s.cache_hits),
+            ("seqgate_prompt_cache_cached_tokens", "Prompt tokens whose KV came from the cache",
+             s.cached_tokens),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+        finished = CounterMetricFamily("seqgate_sequences_finished", "Sequences finished",
+                                       labels=["reason"])
+        for reason, count in sorted(s.finished_by_reason.items()):
+            finished.add_metric([str(reason)], count)
+        yield finished
+
+
+class GatewayMetrics:
+    """Owns the app's registry and every metric the gateway records."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._engine: Engine | None = None
+        self.registry.register(_EngineCollector(lambda: self._engine))
+        self.requests = Counter("seqgate_http_requests", "HTTP responses by route and status",
+                                ["route", "status"], registry=self.registry)
+        self.sub_batches = Histogram("seqgate_step_sub_batches", "Sub-batches (forward calls) "
+                                     "per decode step", buckets=(1, 2, 3, 4, 6, 8, 16),
+                                     registry=self.registry)
+        self.sparsity = Histogram("seqgate_step_sparsity", "Padding / real tokens per step after "
+                                  "partitioning", buckets=(0, 0.01, 0.05, 0.1, 0.2, 0.33, 0.5, 1,
+                                                           2, 5), registry=self.registry)
+        self.step_seconds = Histogram("seqgate_step_seconds", "Wall time of one engine step",
+                                      buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+                                      registry=self.registry)
+        self.ttft = Histogram("seqgate_time_to_first_token_seconds", "Request arrival to its "
+                              "first generated token", buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                                                                1, 2.5, 5, 10, 30, 60),
+                              registry=self.registry)
+        self.tpot = Histogram("seqgate_time_per_output_token_seconds", "Mean time between "
+                              "tokens after the first, per sequence", buckets=(0.005, 0.01, 0.025,
+                                                                             0.05, 0.1, 0.25, 0.5,
+                                                                             1, 2.5),
+                              registry=self.registry)
+
+    def attach(self, engine: Engine) -> None:
+        self._engine = engine
+        engine.add_step_listener(self.on_step)
+
+    def on_step(self, stats: StepStats) -> None:  # engine thread
+        if stats.sub_batches:
+            self.sub_batches.observe(stats.sub_batches)
+            self.sparsity.observe(stats.sparsity)
+        self.step_seconds.observe(stats.prefill_seconds + stats.decode_seconds)
+
+    def count_response(self, route: str, status: int) -> None:
+        self.requests.labels(route, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

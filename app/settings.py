@@ -1,0 +1,324 @@
+"""Settings: defaults < DJL serving.properties < SEQGATE_* environment < command-line flags.
+
+One table (`OPTIONS`) names every setting once, with its parser, its serving.properties key(s),
+its environment variable and its flag, so the four sources cannot drift apart. Every value
+remembers where it came from, so an invalid one is reported under the name the user wrote
+(`option.max_sparsity`, `SEQGATE_MAX_SPARSITY` or `--max-sparsity`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.properties import Property, read_properties
+from engine import ConfigError, EngineConfig
+
+log = logging.getLogger("seqgate.settings")
+
+ENV_PREFIX = "SEQGATE_"
+
+
+class SettingsError(ValueError):
+    """A setting is invalid; the message names the key as the user wrote it, the value and why."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The HTTP side: where to listen, who may call, how to answer."""
+
+    host: str = "127.0.0.1"  # loopback by default; containers set SEQGATE_HOST=0.0.0.0
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    cors_origins: tuple[str, ...] = ()  # empty: no CORS headers
+    max_request_bytes: int = 4 * 1024 * 1024
+    served_model_name: str | None = None  # None: the engine's model name
+    output_formatter: str = "json"  # DJL /invocations: json | jsonlines
+    log_level: str = "info"
+    model_loading_timeout: float = 1800.0  # seconds, as DJL's option.model_loading_timeout
+    sse_ping_seconds: float = 15.0  # keep-alive comment interval on idle streams
+    drain_timeout: float = 300.0  # seconds SIGTERM waits for running jobs before exiting anyway
+    warmup: bool = True  # run one 1-token job before /health turns 200
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything `seqgate serve` needs: the engine's configuration and the server's."""
+
+    server: ServerSettings = field(default_factory=ServerSettings)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    config_file: str | None = None
+
+
+# -- value parsers: each raises ValueError with what it expected ----------------------------
+
+
+def _bool(v: str) -> bool:
+    low = v.strip().lower()
+    if low in ("true", "1", "yes", "on"):
+        return True
+    if low in ("false", "0", "no", "off"):
+        return False
+    raise ValueError("true or false")
+
+
+def _int(lo: int | None = None) -> Callable[[str], int]:
+    def parse(v: str) -> int:
+        try:
+            n = int(v)
+        except ValueError:
+            raise ValueError("an integer" + (f" >= {lo}" if lo is not None else "")) from None
+        if lo is not None and n < lo:
+            raise ValueError(f"an integer >= {lo}")
+        return n
+
+    return parse
+
+
+def _float(lo: float, hi: float | None = None) -> Callable[[str], float]:
+    expected = f"a number in [{lo}, {hi}]" if hi is not None else f"a number >= {lo}"
+
+    def parse(v: str) -> float:
+        try:
+            x = float(v)
+        except ValueError:
+            raise ValueError(expected) from None
+        if x < lo or (hi is not None and x > hi):
+            raise ValueError(expected)
+        return x
+
+    return parse
+
+
+def _choice(*choices: str, aliases: Mapping[str, str] | None = None) -> Callable[[str], str]:
+    def parse(v: str) -> str:
+        low = v.strip().lower()
+        low = (aliases or {}).get(low, low)
+        if low not in choices:
+            raise ValueError("one of " + ", ".join(choices))
+        return low
+
+    return parse
+
+
+def _text(v: str) -> str | None:
+    return v.strip() or None
+
+
+def _list(v: str | list[str]) -> tuple[str, ...]:
+    items = v if isinstance(v, list) else v.split(",")
+    return tuple(s.strip() for s in items if s.strip())
+
+
+_DTYPE_ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32",
+                  "float": "fp32"}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting: where it lands, how it parses, and its names in each source."""
+
+    name: str  # attribute of ServerSettings or EngineConfig
+    target: str  # "server" | "engine"
+    parse: Callable[[Any], Any]
+    djl: tuple[str, ...] = ()  # serving.properties keys
+    flag: str | None = None  # command-line flag; None: not a flag
+    help: str = ""
+    repeat: bool = False  # flag may be given several times (collected into a list)
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("model_id", "engine", _text, ("option.model_id", "option.model_dir"), "--model",
+           "hub id, local directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)"),
+    Option("revision", "engine", _text, ("option.revision",), "--revision"),
+    Option("dtype", "engine", _choice("auto", "fp32", "fp16", "bf16", aliases=_DTYPE_ALIASES),
+           ("option.dtype",), "--dtype", "auto | fp32 | fp16 | bf16"),
+    Option("device", "engine", lambda v: v.strip().lower(), ("option.device",), "--device",
+           "auto | cpu | cuda | cuda:N"),
+    Option("trust_remote_code", "engine", _bool, ("option.trust_remote_code",),
+           "--trust-remote-code"),
+    Option("cache_dir", "engine", _text, ("option.cache_dir",), "--cache-dir"),
+    Option("max_rolling_batch_size", "engine", _int(1), ("option.max_rolling_batch_size",),
+           "--max-rolling-batch-size"),
+    Option("job_queue_size", "engine", _int(0), ("job_queue_size",), "--job-queue-size"),
+    Option("max_sparsity", "engine", _float(0.0, 1.0), ("option.max_sparsity",),
+           "--max-sparsity"),
+    Option("max_splits", "engine", _int(1), ("option.max_splits",), "--max-splits"),
+    Option("decoding_strategy", "engine", _choice("greedy", "sample", "contrastive"),
+           ("option.decoding_strategy",), "--decoding-strategy", "greedy | sample | contrastive"),
+    Option("prompt_cache_bytes", "engine", _int(0), ("option.prompt_cache_bytes",),
+           "--prompt-cache-bytes"),
+    Option("num_threads", "engine", _int(0), ("option.num_threads",), "--num-threads",
+           "torch intra-op threads for the engine (0: chosen from the cores available)"),
+    Option("max_model_len", "engine", _int(0), ("option.max_model_len",), "--max-model-len"),
+    Option("host", "server", lambda v: v.strip(), (), "--host"),
+    Option("port", "server", _int(0), (), "--port"),
+    Option("api_keys", "server", _list, (), "--api-key",
+           "require this bearer key (repeatable; SEQGATE_API_KEYS is comma-separated)", True),
+    Option("cors_origins", "server", _list, (), "--cors-origin",
+           "allow this browser origin (repeatable)", True),
+    Option("max_request_bytes", "server", _int(1), (), "--max-request-bytes"),
+    Option("served_model_name", "server", _text, ("option.served_model_name",),
+           "--served-model-name"),
+    Option("output_formatter", "server", _choice("json", "jsonlines"),
+           ("option.output_formatter",), "--output-formatter",
+           "DJL /invocations: json | jsonlines"),
+    Option("log_level", "server", _choice("critical", "error", "warning", "info", "debug"), (),
+           "--log-level"),
+    Option("model_loading_timeout", "server", _float(1.0), ("option.model_loading_timeout",),
+           "--model-loading-timeout"),
+    Option("sse_ping_seconds", "server", _float(0.1), (), "--sse-ping-seconds"),
+    Option("drain_timeout", "server", _float(0.0), (), "--drain-timeout"),
+    Option("warmup", "server", _bool, (), None),
+)
+
+_BY_DJL = {key: opt for opt in OPTIONS for key in opt.djl}
+_BY_ENV = {opt.env: opt for opt in OPTIONS}
+# Environment variables that are read elsewhere and must not be reported as unknown.
+_OTHER_ENV = {ENV_PREFIX + "CONFIG"}
+
+
+def _djl_engine(v: str) -> None:
+    if v.strip().lower() not in ("python", "mpi", "deepspeed"):
+        raise ValueError("one of Python, MPI, DeepSpeed")
+
+
+def _djl_rolling_batch(v: str) -> None:
+    if v.strip().lower() not in ("scheduler", "auto"):
+        raise ValueError("scheduler or auto (seqgate runs the seq-scheduler only)")
+
+
+def _djl_tp(v: str) -> None:
+    if v.strip().lower() == "max":
+        return
+    if _int(1)(v) > 1:
+        log.warning("option.tensor_parallel_degree=%s: seqgate runs on one device; using 1", v)
+
+
+def _djl_device_map(v: str) -> None:
+    log.warning("option.device_map=%s is accepted and ignored: seqgate places the whole model "
+                "on one device (see --device)", v)
+
+
+def _djl_ignored(key: str) -> Callable[[str], None]:
+    def check(v: str) -> None:
+        log.info("%s=%s has no effect in seqgate", key, v)
+
+    return check
+
+
+# DJL keys that are checked but set nothing: accepted values pass, others stop start-up.
+_DJL_CHECKS: dict[str, Callable[[str], None]] = {
+    "engine": _djl_engine,
+    "option.rolling_batch": _djl_rolling_batch,
+    "option.tensor_parallel_degree": _djl_tp,
+    "option.device_map": _djl_device_map,
+    **{k: _djl_ignored(k) for k in (
+        "option.entryPoint", "option.task", "option.low_cpu_mem_usage", "option.enable_streaming",
+        "option.parallel_loading", "option.disable_flash_attn", "option.max_idle_time",
+        "option.mpi_mode")},
+}
+
+
+def _apply(opt: Option, raw: Any, origin: str, values: dict[str, tuple[Any, str]]) -> None:
+    try:
+        values[opt.name] = (opt.parse(raw), origin)
+    except ValueError as exc:
+        raise SettingsError(f"{origin}={raw!r} is invalid: expected {exc}") from None
+
+
+def _from_properties(props: Mapping[str, Property], source: str,
+                     values: dict[str, tuple[Any, str]]) -> None:
+    # option.model_id wins over option.model_dir whatever their order in the file.
+    ordered = sorted(props.values(), key=lambda p: p.key == "option.model_id")
+    for prop in ordered:
+        origin = f"{prop.key} ({source}:{prop.line})"
+        if prop.key in _DJL_CHECKS:
+            try:
+                _DJL_CHECKS[prop.key](prop.value)
+            except ValueError as exc:
+                raise SettingsError(f"{origin}={prop.value!r} is invalid: expected {exc}") from None
+        elif prop.key in _BY_DJL:
+            _apply(_BY_DJL[prop.key], prop.value, origin, values)
+        else:
+            log.warning("%s: unknown key %r ignored", source, prop.key)
+
+
+def _from_env(env: Mapping[str, str], values: dict[str, tuple[Any, str]]) -> None:
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        opt = _BY_ENV.get(name)
+        if opt is not None:
+            _apply(opt, raw, name, values)
+        elif name not in _OTHER_ENV:
+            log.warning("unknown environment variable %s ignored", name)
+
+
+def _from_flags(flags: Mapping[str, Any], values: dict[str, tuple[Any, str]]) -> None:
+    for opt in OPTIONS:
+        raw = flags.get(opt.name)
+        if raw is not None and opt.flag is not None:
+            _apply(opt, raw if opt.repeat else str(raw), opt.flag, values)
+
+
+def load_settings(flags: Mapping[str, Any] | argparse.Namespace | None = None,
+                  env: Mapping[str, str] | None = None,
+                  config_file: str | None = None) -> Settings:
+    """Build Settings from defaults, a properties file, the environment and parsed flags.
+
+    `flags` maps option names to values (None = not given), e.g. `vars(parser.parse_args())`.
+    The properties file is `config_file`, else `flags["config"]`, else `SEQGATE_CONFIG`.
+    """
+    flags = dict(vars(flags) if isinstance(flags, argparse.Namespace) else (flags or {}))
+    env = dict(os.environ if env is None else env)
+    config_file = config_file or flags.get("config") or env.get(ENV_PREFIX + "CONFIG")
+    values: dict[str, tuple[Any, str]] = {}
+    if config_file:
+        _from_properties(read_properties(config_file), config_file, values)
+    _from_env(env, values)
+    _from_flags(flags, values)
+
+    server_kw = {k: v for k, (v, _) in values.items() if _target(k) == "server"}
+    engine_kw = {k: v for k, (v, _) in values.items() if _target(k) == "engine"}
+    try:
+        engine = EngineConfig(**engine_kw)
+    except ConfigError as exc:
+        origin = values.get(exc.field, (None, exc.field))[1]
+        raise SettingsError(f"{origin}: {exc}") from None
+    return Settings(server=ServerSettings(**server_kw), engine=engine, config_file=config_file)
+
+
+def _target(name: str) -> str:
+    return next(opt.target for opt in OPTIONS if opt.name == name)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per option (all default None, so only given flags override)."""
+    parser.add_argument("--config", metavar="FILE",
+                        help="a DJL serving.properties file (or its directory)")
+    for opt in OPTIONS:
+        if opt.flag is None:
+            continue
+        if opt.parse is _bool:
+            parser.add_argument(opt.flag, dest=opt.name, default=None, nargs="?", const="true",
+                                metavar="BOOL", help=opt.help or None)
+        elif opt.repeat:
+            parser.add_argument(opt.flag, dest=opt.name, action="append", default=None,
+                                help=opt.help or None)
+        else:
+            parser.add_argument(opt.flag, dest=opt.name, default=None, help=opt.help or None)
+
+
+def replace_server(settings: Settings, **changes: Any) -> Settings:
+    """A copy of `settings` with some server fields changed (tests, the CLI)."""
+    return dataclasses.replace(settings, server=dataclasses.replace(settings.server, **changes))

@@ -1,0 +1,181 @@
+"""Running a request's engine jobs: submit, merge their deltas, stream or collect, abort on leave.
+
+A request is one or more engine jobs (completions takes several prompts). `JobStream` merges
+their deltas into one queue, which the consumer can wait on with a timeout (for SSE keep-alive
+comments) without cancelling an engine iterator mid-way, and aborts every unfinished job when it
+is closed early: the client went away, or the response failed.
+
+SSE goes out through Litestar's ServerSentEvent rather than sse-starlette: sse-starlette is a
+Starlette response (Litestar does not run it as a return value) and it patches uvicorn's
+signal handler to end open streams on SIGTERM, which is the opposite of our drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+
+import msgspec
+from litestar import Request
+from litestar.response import ServerSentEvent
+from litestar.response.sse import ServerSentEventMessage
+
+from adapters.errors import ApiError, from_engine_error, generation_error
+from adapters.openai_params import JobSpec
+from app.metrics import GatewayMetrics
+from engine import Engine, JobDelta, JobHandle
+
+log = logging.getLogger("seqgate.app.streaming")
+
+_DONE = object()
+
+
+def submit_all(engine: Engine, specs: list[JobSpec], prompt_param: str) -> list[JobHandle]:
+    """Submit every job or none: if one is refused, the ones already queued are aborted."""
+    handles: list[JobHandle] = []
+    try:
+        for spec in specs:
+            handles.append(engine.submit(spec.prompt_ids, spec.params, spec.prefix_len))
+    except Exception as exc:
+        for h in handles:
+            engine.abort(h.job_id)
+        err = from_engine_error(exc)
+        if err.code == "context_length_exceeded":
+            err.param = prompt_param
+        if err.status >= 500:
+            log.exception("submit failed")
+        raise err from None
+    return handles
+
+
+class JobStream:
+    """The merged deltas of one request's jobs, tagged with the job's position in the request."""
+
+    def __init__(self, engine: Engine, handles: list[JobHandle], metrics: GatewayMetrics,
+                 started: float):
+        self.engine, self.handles, self.metrics, self.started = engine, handles, metrics, started
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._open = len(handles)
+        self._finished: set[int] = set()
+        self._first_token: dict[tuple[int, int], float] = {}
+        self._pumps = [asyncio.create_task(self._pump(i, h)) for i, h in enumerate(handles)]
+
+    async def _pump(self, i: int, handle: JobHandle) -> None:
+        # put_nowait: the queue is unbounded, and the finally must not await once cancelled.
+        try:
+            async for delta in handle:
+                self._queue.put_nowait((i, delta))
+        finally:
+            self._queue.put_nowait((i, _DONE))
+
+    def _observe(self, i: int, delta: JobDelta) -> None:
+        key = (i, delta.index)
+        now = time.perf_counter()
+        if delta.token_ids and key not in self._first_token:
+            self._first_token[key] = now
+            self.metrics.ttft.observe(now - self.started)
+        if delta.finish_reason is not None and key in self._first_token and \
+                delta.completion_tokens > 1:
+            self.metrics.tpot.observe((now - self._first_token[key]) /
+                                      (delta.completion_tokens - 1))
+
+    async def next(self, timeout: float | None = None) -> tuple[int, JobDelta] | None:
+        """The next (job position, delta); None once every job has ended.
+
+        Raises TimeoutError when nothing arrives within `timeout` (the stream stays usable).
+        """
+        while self._open:
+            i, item = await asyncio.wait_for(self._queue.get(), timeout)
+            if item is _DONE:
+                self._open -= 1
+                self._finished.add(i)
+                continue
+            self._observe(i, item)
+            return i, item
+        return None
+
+    def close(self) -> None:
+        """Abort whatever is still running (client gone, or the response failed)."""
+        for i, h in enumerate(self.handles):
+            if i not in self._finished:
+                self.engine.abort(h.job_id)
+        for task in self._pumps:
+            task.cancel()
+
+
+def _failed(delta: JobDelta) -> ApiError | None:
+    if delta.finish_reason == "error":
+        return generation_error(delta.error)
+    if delta.finish_reason == "abort":  # not the client's doing: the engine was stopped
+        return ApiError(503, "The job was cancelled: the server is shutting down.",
+                        "service_unavailable")
+    return None
+
+
+async def collect(stream: JobStream, request: Request,
+                  on_delta: Callable[[int, JobDelta], None]) -> None:
+    """Feed every delta to `on_delta`; abort the jobs if the client disconnects meanwhile.
+
+    Raises ApiError when a job fails inside the engine.
+    """
+    async def watch_disconnect() -> None:
+        # The body has been read, so the next ASGI message is the disconnect, if it comes.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        log.info("client disconnected: aborting %s", [h.job_id for h in stream.handles])
+        stream.close()
+
+    watcher = asyncio.create_task(watch_disconnect())
+    try:
+        while (item := await stream.next()) is not None:
+            i, delta = item
+            if (err := _failed(delta)) is not None:
+                raise err
+            on_delta(i, delta)
+    finally:
+        watcher.cancel()
+        stream.close()
+
+
+def _data(obj: object) -> ServerSentEventMessage:
+    return ServerSentEventMessage(data=msgspec.json.encode(obj).decode(), sep="\n")
+
+
+async def _events(stream: JobStream, start: Iterable[object],
+                  on_delta: Callable[[int, JobDelta], list], finish: Callable[[], list],
+                  ping_seconds: float) -> AsyncIterator[ServerSentEventMessage]:
+    try:
+        for chunk in start:
+            yield _data(chunk)
+        while True:
+            try:
+                item = await stream.next(ping_seconds)
+            except TimeoutError:
+                # A comment line keeps proxies from cutting a stream during a long prefill.
+                yield ServerSentEventMessage(data=None, comment="ping", sep="\n")
+                continue
+            if item is None:
+                break
+            i, delta = item
+            if (err := _failed(delta)) is not None:
+                # Headers are gone: the error travels as an event, then the stream ends.
+                yield _data(err.body())
+                break
+            for chunk in on_delta(i, delta):
+                yield _data(chunk)
+        if item is None:
+            for chunk in finish():
+                yield _data(chunk)
+        yield ServerSentEventMessage(data="[DONE]", sep="\n")
+    finally:
+        # Runs on normal end, on client disconnect (Litestar cancels the stream) and on errors.
+        stream.close()
+
+
+def sse_response(stream: JobStream, start: Iterable[object],
+                 on_delta: Callable[[int, JobDelta], list], finish: Callable[[], list],
+                 ping_seconds: float) -> ServerSentEvent:
+    """An OpenAI-style event stream: `data: {chunk}` events, keep-alive comments, `[DONE]`."""
+    return ServerSentEvent(_events(stream, start, on_delta, finish, ping_seconds))

@@ -1,0 +1,93 @@
+"""The `seqgate` command: the OpenAPI export, start-up errors, and a real serve + SIGTERM drain."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from openapi_spec_validator import validate
+
+from app.__main__ import main
+from engine.loader import embedded_model_path
+from tests.app.test_settings import SEED_PROPERTIES
+
+
+def test_openapi_command_writes_a_valid_document(tmp_path, capsys):
+    path = tmp_path / "doc" / "openapi.json"
+    assert main(["openapi", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    validate(doc)
+    assert "/v1/chat/completions" in doc["paths"] and str(path) in capsys.readouterr().out
+
+
+def test_bad_config_stops_startup_naming_the_key(tmp_path, capsys):
+    bad = tmp_path / "serving.properties"
+    bad.write_text("option.max_sparsity=lots\n")
+    assert main(["serve", "--config", str(bad)]) == 2
+    assert "option.max_sparsity" in capsys.readouterr().err
+    assert main(["serve", "--config", str(tmp_path / "missing.properties")]) == 2
+
+
+@pytest.mark.slow
+def test_serve_seed_properties_then_drain_on_sigterm(tmp_path):
+    """The seed's serving.properties (model id replaced) starts unchanged; SIGTERM refuses new
+    work with 503 while the running stream finishes, then the process exits cleanly."""
+    props = tmp_path / "serving.properties"
+    props.write_text(SEED_PROPERTIES.replace("/models/SmolLM2-135M-Instruct.gguf",
+                                             str(embedded_model_path())))
+    env = {**os.environ, "SEQGATE_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--config", str(props),
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    stderr: list[str] = []
+    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
+    try:
+        banner = ""
+        while "seqgate is serving" not in banner:
+            banner = lines.get(timeout=180)
+        url = banner.split(" at ")[1].split()[0]
+        assert lines.get(timeout=5).startswith("try:  curl")
+
+        body = {"messages": [{"role": "user", "content": "Tell me about the sea."}],
+                "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
+        first, events = threading.Event(), []
+
+        def stream():
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        first.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while httpx.get(url + "/health").status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        refused = httpx.post(url + "/v1/chat/completions", json={**body, "stream": False})
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "service_unavailable"
+        reader.join(timeout=120)
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        assert last["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = "".join(stderr)
+    assert "option.dtype=fp16 but no GPU" in log or "cuda" in log.lower()
+    assert "draining" in log

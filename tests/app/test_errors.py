@@ -1,0 +1,181 @@
+"""Every error the API answers, in OpenAI's envelope, and that none of them disturbs the jobs
+already running."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.app.conftest import API_KEYS, MAX_REQUEST_BYTES
+from tests.app.sse import read_stream
+
+pytestmark = pytest.mark.slow  # a live server with the real model
+
+HELLO = [{"role": "user", "content": "Count from one to ten in words."}]
+CHAT = "/v1/chat/completions"
+
+
+def chat(**kw) -> dict:
+    return {"messages": HELLO, "max_tokens": 8, "temperature": 0, **kw}
+
+
+# (name, method, path, body (dict = JSON, bytes = raw), status, code, param)
+CASES = [
+    ("malformed JSON", "POST", CHAT, b'{"messages": [', 400, "invalid_json", None),
+    ("not an object", "POST", CHAT, b"[]", 400, "invalid_json", None),
+    ("wrong type", "POST", CHAT, chat(max_tokens="ten"), 400, "invalid_type", "max_tokens"),
+    ("nested wrong type", "POST", CHAT, {"messages": [{"role": 1, "content": "x"}]}, 400,
+     "invalid_type", "messages[0].role"),
+    ("missing messages", "POST", CHAT, {"model": "x"}, 400, "missing_required_parameter",
+     "messages"),
+    ("out of range", "POST", CHAT, chat(temperature=5), 400, "invalid_value", "temperature"),
+    ("n over the batch", "POST", CHAT, chat(n=9), 400, "invalid_value", "n"),
+    ("context overflow", "POST", CHAT, chat(max_tokens=9000), 400, "context_length_exceeded",
+     "messages"),
+    ("unknown model", "POST", CHAT, chat(model="gpt-4o"), 404, "model_not_found", "model"),
+    ("tools", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
+     "unsupported_parameter", "tools"),
+    ("json_schema", "POST", CHAT, chat(response_format={"type": "json_schema"}), 400,
+     "unsupported_parameter", "response_format"),
+    ("image part", "POST", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400,
+     "unsupported_parameter", "messages[0].content[0].type"),
+    ("suffix", "POST", "/v1/completions", {"prompt": "def f(", "suffix": "return"}, 400,
+     "unsupported_parameter", "suffix"),
+    ("bad prompt", "POST", "/v1/completions", {"prompt": [1, "a"]}, 400, "invalid_type",
+     "prompt"),
+    ("completion overflow", "POST", "/v1/completions", {"prompt": "x", "max_tokens": 9000}, 400,
+     "context_length_exceeded", "prompt"),
+    ("djl missing inputs", "POST", "/invocations", {"parameters": {}}, 400,
+     "missing_required_parameter", "inputs"),
+    ("djl bad parameter", "POST", "/invocations", {"inputs": "x", "parameters": {
+        "max_new_tokens": 0}}, 400, "invalid_value", "parameters.max_new_tokens"),
+    ("unknown model id", "GET", "/v1/models/gpt-4o", None, 404, "model_not_found", "model"),
+    ("unknown route", "GET", "/v1/nothing", None, 404, "not_found", None),
+    ("wrong method", "GET", CHAT, None, 405, "method_not_allowed", None),
+    ("body over the limit", "POST", CHAT, {"messages": HELLO, "user": "x" * MAX_REQUEST_BYTES},
+     413, "request_too_large", None),
+]
+
+
+def send(client: httpx.Client, method: str, path: str, body) -> httpx.Response:
+    if isinstance(body, bytes):
+        return client.request(method, path, content=body,
+                              headers={"content-type": "application/json"})
+    return client.request(method, path, json=body)
+
+
+def check_envelope(response: httpx.Response, status: int, code: str, param: str | None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["code"], error["param"]) == (code, param), error
+    assert isinstance(error["message"], str) and error["message"]
+    if status in (400, 404, 405, 413):
+        assert response.headers["x-should-retry"] == "false"
+    return error
+
+
+@pytest.mark.parametrize(("name", "method", "path", "body", "status", "code", "param"), CASES,
+                         ids=[c[0] for c in CASES])
+def test_error_envelope(http, name, method, path, body, status, code, param):
+    check_envelope(send(http, method, path, body), status, code, param)
+
+
+def test_context_overflow_message_says_it(http):
+    error = http.post(CHAT, json=chat(max_tokens=9000)).json()["error"]
+    assert "maximum context length" in error["message"]
+    assert "context_length_exceeded" in error["message"]
+
+
+def test_sdk_sees_the_error_classes(live_server):
+    client = live_server.client()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(messages=HELLO, model="", max_tokens=9000)
+    assert info.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(messages=HELLO, model="gpt-4o", max_tokens=4)
+    assert info.value.code == "model_not_found"
+
+
+def test_unknown_fields_and_nulls_are_accepted(http):
+    r = http.post(CHAT, json=chat(logprobs=None, seed=None, stream_options=None, tools=None,
+                                  frobnicate={"x": 1}, user=None))
+    assert r.status_code == 200, r.text
+
+
+def test_errors_do_not_disturb_jobs_in_flight(live_server, http):
+    body = chat(max_tokens=24, stream=True)
+    with httpx.stream("POST", live_server.url + CHAT, json=body, timeout=60) as r:
+        alone = read_stream(r).text
+    engine = live_server.engine
+    with httpx.stream("POST", live_server.url + CHAT, json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        seen = [next(line for line in lines if line.startswith("data: {"))]
+        before = engine.stats().prompt_tokens
+        for _, method, path, payload, status, code, param in CASES:
+            check_envelope(send(http, method, path, payload), status, code, param)
+        assert engine.stats().prompt_tokens == before  # none of them reached the engine
+        seen += [line for line in lines if line.startswith("data: ")]
+    assert seen[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in seen[:-1]]
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
+    # The stream interleaved with the errors produced exactly what it produces alone.
+    assert text == alone and events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_api_keys(auth_server):
+    url = auth_server.url
+    with httpx.Client(base_url=url, timeout=60) as c:
+        check_envelope(c.post(CHAT, json=chat()), 401, "invalid_api_key", None)
+        check_envelope(c.post(CHAT, json=chat(), headers={"Authorization": "Bearer nope"}), 401,
+                       "invalid_api_key", None)
+        check_envelope(c.get("/v1/models", headers={"Authorization": "Basic x"}), 401,
+                       "invalid_api_key", None)
+        for key in API_KEYS:
+            r = c.post(CHAT, json=chat(max_tokens=2), headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+        assert c.get("/health").status_code == 200  # stays open
+        assert c.post("/invocations", json={"inputs": "x"}).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        auth_server.client(api_key="wrong").models.list()
+    assert auth_server.client(api_key=API_KEYS[1]).models.list().data
+
+
+def test_queue_full_is_429_with_retry_after(tiny_server):
+    url = tiny_server.url
+    long_job = {"messages": HELLO, "max_tokens": 400, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+    with httpx.stream("POST", url + CHAT, json=long_job, timeout=60) as r:
+        next(line for line in r.iter_lines() if line.startswith("data: {"))
+        refused = httpx.post(url + CHAT, json=chat(), timeout=60)
+        error = check_envelope(refused, 429, "rate_limit_exceeded", None)
+        assert refused.headers["retry-after"] == "1" and error["type"] == "rate_limit_error"
+        with pytest.raises(openai.RateLimitError):
+            tiny_server.client().chat.completions.create(messages=HELLO, model="", max_tokens=2)
+    # Leaving the stream freed the slot: the next request runs.
+    deadline = time.monotonic() + 10
+    while tiny_server.engine.stats().running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.post(url + CHAT, json=chat(max_tokens=2), timeout=60).status_code == 200
+
+
+def test_engine_failure_mid_stream_is_an_error_event_then_done(tiny_server, monkeypatch):
+    """A forward pass that fails cannot be produced on demand by a healthy model, so one is
+    injected into the (real) engine's runner."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected forward failure")
+
+    monkeypatch.setattr(tiny_server.engine.runner, "decode", broken)
+    body = chat(max_tokens=8, stream=True)
+    with httpx.stream("POST", tiny_server.url + CHAT, json=body, timeout=60) as r:
+        stream = read_stream(r)
+    assert stream.done
+    error = stream.events[-1]["error"]
+    assert error["code"] == "generation_failed" and "injected" in error["message"]
+    r = httpx.post(tiny_server.url + CHAT, json=chat(max_tokens=8), timeout=60)
+    check_envelope(r, 500, "generation_failed", None)

@@ -1,0 +1,56 @@
+"""Operations routes: health, version, metrics, tokenizer, the OpenAPI document."""
+
+from __future__ import annotations
+
+import pytest
+from openapi_spec_validator import validate
+
+pytestmark = pytest.mark.slow  # a live server with the real model
+
+
+def test_health_and_version(http, live_server):
+    assert http.get("/health").json() == {"status": "ok"}
+    version = http.get("/version").json()
+    assert version["model"] == live_server.gateway.model_name
+    assert version["engine"]["max_rolling_batch_size"] == 8 and version["torch"]
+
+
+def test_tokenize_detokenize_round_trip(http, live_server):
+    tok = live_server.engine.tokenizer
+    r = http.post("/tokenize", json={"prompt": "Hello world"}).json()
+    assert r["tokens"] == tok.encode("Hello world") and r["count"] == len(r["tokens"])
+    assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {
+        "prompt": "Hello world"}
+    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert tok.decode(chat["tokens"]).endswith("<|im_start|>assistant\n")
+    assert http.post("/tokenize", json={}).status_code == 400
+    assert http.post("/detokenize", json={"tokens": [10**9]}).json()["error"]["param"] == "tokens"
+
+
+def test_metrics_cover_requests_engine_and_latency(http):
+    http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                            "max_tokens": 3, "temperature": 0, "stream": True})
+    http.post("/v1/chat/completions", json={"messages": []})
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    for name in ("seqgate_http_requests_total", "seqgate_queue_depth",
+                 "seqgate_running_sequences", "seqgate_step_sub_batches_bucket",
+                 "seqgate_step_sparsity_bucket", "seqgate_prompt_cache_hits_total",
+                 "seqgate_prompt_cache_cached_tokens_total", "seqgate_prompt_tokens_total",
+                 "seqgate_generated_tokens_total", "seqgate_time_to_first_token_seconds_bucket",
+                 "seqgate_time_per_output_token_seconds_bucket"):
+        assert name in text, name
+    assert 'route="/v1/chat/completions",status="400"' in text
+    assert 'route="/v1/chat/completions",status="200"' in text
+
+
+def test_openapi_document_is_served_and_valid(http):
+    doc = http.get("/docs/openapi.json").json()
+    validate(doc)
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/invocations", "/health",
+            "/metrics", "/tokenize", "/detokenize", "/version", "/ping"} <= set(doc["paths"])
+    op = doc["paths"]["/v1/chat/completions"]["post"]
+    assert op["operationId"] == "createChatCompletion"
+    assert "messages" in op["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    assert http.get("/docs").status_code == 200
