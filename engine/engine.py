@@ -1,5 +1,4 @@
-"""Engine: owns the model thread. submit / abort / stream from any thread; step() is the algorithm.
-"""
+"""Engine: owns the model thread. submit / abort / stream from any thread; step() is the loop."""
 
 from __future__ import annotations
 
@@ -17,20 +16,13 @@ import torch
 
 from engine.batch import RollingBatch, RowKV, row_from_cache
 from engine.config import EngineConfig
-from engine.contrastive import contrastive_choice
+from engine.decoder import TokenDecoder, fail
 from engine.detokenize import IncrementalDetokenizer
-from engine.job import Job, SeqStatus, Sequence
+from engine.job import Job, Sequence
 from engine.loader import LoadedModel, load_model
 from engine.outputs import JobDelta, StepStats
 from engine.prefix_cache import PrefixCache, PrefixEntry
 from engine.runner import ModelRunner
-from engine.sampling import (
-    apply_logit_bias,
-    apply_penalties,
-    block_stop_tokens,
-    logprobs_for,
-    sample_rows,
-)
 from engine.sampling_params import InvalidParams, SamplingParams
 from engine.scheduler import Scheduler, StepPlan
 from engine.stops import StopMatcher
@@ -122,8 +114,7 @@ class Engine:
         self.scheduler = Scheduler(self.config)
         self.batch = RollingBatch()
         self.prefix_cache = PrefixCache(self.config.prompt_cache_bytes)
-        self._gen = torch.Generator(device=self.loaded.device)
-        self._gen.seed()
+        self.decoder = TokenDecoder(self.runner, self.eos_ids, self.max_model_len)
         self._stats = EngineStats()
         self._listeners: list[Callable[[StepStats], None]] = []
         self._wake = threading.Event()
@@ -234,6 +225,7 @@ class Engine:
         s.queued = len(self.scheduler.queue)
         s.running = len(self.scheduler.running)
         s.prefix_cache_bytes = self.prefix_cache.nbytes
+        s.generated_tokens = self.decoder.generated_tokens
         return s
 
     # -- engine thread ----------------------------------------------------------------------
@@ -293,7 +285,7 @@ class Engine:
                     if job.params.seed is not None:
                         s.generator = torch.Generator(device=self.loaded.device)
                         s.generator.manual_seed(job.params.seed + s.index)
-                self._choose(job.seqs, first, [result.cache] * len(job.seqs))
+                self.decoder.choose(job.seqs, first, [result.cache] * len(job.seqs))
                 job.first_token_at = time.perf_counter()
                 row = row_from_cache(result.cache)
                 for s in job.seqs:
@@ -302,7 +294,7 @@ class Engine:
             except Exception as exc:
                 log.exception("prefill failed for %s", job.job_id)
                 for s in job.seqs:
-                    self._fail(s, f"prefill failed: {exc}")
+                    fail(s, f"prefill failed: {exc}")
         return new_rows
 
     def _prefill_job(self, job: Job):
@@ -339,114 +331,19 @@ class Engine:
             log.exception("decode forward failed for a sub-batch of %d", sb.size)
             for s in sb.seqs:
                 touched[s.job.job_id] = s.job
-                self._fail(s, f"forward failed: {exc}")
+                fail(s, f"forward failed: {exc}")
             return
         for i, s in enumerate(sb.seqs):
             s.kv_len += 1
             touched[s.job.job_id] = s.job
             if hidden is not None and s.hidden is not None:
                 s.hidden = torch.cat([s.hidden, hidden[i : i + 1]])
-        self._choose(sb.seqs, logits, [sb] * sb.size)
-
-    def _choose(self, seqs: list[Sequence], logits: torch.Tensor, sources: list) -> None:
-        """Pick each row's next token; a row whose choice raises fails alone."""
-        try:
-            tokens, lps = self._choose_rows(seqs, logits, sources)
-        except Exception:
-            tokens, lps = [], []
-            for i, s in enumerate(seqs):
-                try:
-                    t, lp = self._choose_rows([s], logits[i : i + 1], [sources[i]])
-                    tokens.append(t[0])
-                    lps.append(lp[0])
-                except Exception as exc:
-                    log.exception("token choice failed for %s", s.job.job_id)
-                    self._fail(s, f"sampling failed: {exc}")
-                    tokens.append(None)
-                    lps.append(None)
-        for s, tok, lp in zip(seqs, tokens, lps):
-            if tok is not None and not s.status.finished:
-                self._accept(s, tok, lp)
-
-    def _choose_rows(self, seqs: list[Sequence], logits: torch.Tensor, sources: list):
-        logits = apply_penalties(logits, seqs, self.runner.vocab_size)
-        logits = apply_logit_bias(logits, seqs)
-        logits = block_stop_tokens(logits, seqs, self.eos_ids)
-        tokens: list[int] = [0] * len(seqs)
-        strategies = [s.job.strategy for s in seqs]
-        greedy = [i for i, st in enumerate(strategies) if st == "greedy"]
-        if greedy:
-            picks = logits[greedy].argmax(dim=-1).tolist()
-            for i, t in zip(greedy, picks):
-                tokens[i] = t
-        sample = [i for i, st in enumerate(strategies) if st == "sample"]
-        if sample:
-            picks = sample_rows(logits[sample], [seqs[i] for i in sample], self._gen)
-            for i, t in zip(sample, picks):
-                tokens[i] = t
-        for i, st in enumerate(strategies):
-            if st == "contrastive":
-                tokens[i] = self._contrastive(seqs[i], logits[i], sources[i])
-        lps: list = [None] * len(seqs)
-        want = [i for i, s in enumerate(seqs) if s.params.logprobs]
-        if want:
-            got = logprobs_for(
-                logits[want], [tokens[i] for i in want], [seqs[i].params.top_logprobs for i in want]
-            )
-            for i, lp in zip(want, got):
-                lps[i] = lp
-        return tokens, lps
-
-    def _contrastive(self, s: Sequence, logits: torch.Tensor, source) -> int:
-        p = s.params
-        k = p.top_k or 4
-        probs = logits.softmax(dim=-1)
-        top = probs.topk(k)
-        if hasattr(source, "row"):  # a sub-batch: this row's KV after the step's forward
-            row = source.row(source.seqs.index(s))
-        else:  # a prefill cache
-            row = row_from_cache(source)
-        cand_hidden = self.runner.lookahead(row, top.indices.tolist())
-        return contrastive_choice(top.values, top.indices, cand_hidden, s.hidden, p.penalty_alpha)
-
-    def _accept(self, s: Sequence, tok: int, lp) -> None:
-        """Record a chosen token and apply the stop conditions."""
-        p = s.params
-        s.generated.append(tok)
-        s.out_tokens.append(tok)
-        s.pending_token = tok
-        self._stats.generated_tokens += 1
-        if lp is not None:
-            s.out_logprobs.append(lp)
-        if s.counts is not None:
-            s.counts[tok] += 1
-        if tok in self.eos_ids and not p.ignore_eos:
-            s.status = SeqStatus.EOS
-        elif tok in p.stop_token_ids:
-            s.status = SeqStatus.STOP_TOKEN
-        else:
-            text, stopped = s.stops.feed(s.detok.push(tok))
-            s.out_text.append(text)
-            if stopped:
-                s.status = SeqStatus.STOP_STRING
-        if not s.status.finished and (
-            len(s.generated) >= p.max_new_tokens or s.kv_len + 1 >= self.max_model_len
-        ):
-            s.status = SeqStatus.LENGTH
-        if s.status.finished and s.status != SeqStatus.STOP_STRING:
-            # Text held back for an incomplete character or a partial stop match goes out now.
-            text, stopped = s.stops.feed(s.detok.flush())
-            s.out_text.append(text if stopped else text + s.stops.flush())
-
-    def _fail(self, s: Sequence, message: str) -> None:
-        if not s.status.finished:
-            s.status = SeqStatus.ERROR
-            s.error = message
+        self.decoder.choose(sb.seqs, logits, [sb] * sb.size)
 
     def _fail_all(self, message: str) -> None:
         touched = {}
         for s in self.scheduler.running:
-            self._fail(s, message)
+            fail(s, message)
             touched[s.job.job_id] = s.job
         self.scheduler.running = []
         self.batch.sub_batches = []

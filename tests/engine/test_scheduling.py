@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-import engine.engine as engine_module
+import engine.decoder as decoder_module
 from engine import Engine, EngineConfig, QueueFull, SamplingParams
 from engine.job import Job, SeqStatus, Sequence
 from engine.scheduler import Scheduler
@@ -66,14 +66,14 @@ def test_abort_frees_the_slot_next_step(tiny_model, make_engine):
 
 
 def test_failing_job_fails_alone(tiny_model, make_engine, monkeypatch):
-    real = engine_module.apply_logit_bias
+    real = decoder_module.apply_logit_bias
 
     def faulty(logits, seqs):
         if any(7 in s.params.logit_bias for s in seqs):
             raise RuntimeError("injected sampling fault")
         return real(logits, seqs)
 
-    monkeypatch.setattr(engine_module, "apply_logit_bias", faulty)
+    monkeypatch.setattr(decoder_module, "apply_logit_bias", faulty)
     eng = make_engine(tiny_model, max_rolling_batch_size=4)
     ids = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
     alone = []
