@@ -1,0 +1,1 @@
+"""seqgate's published API contract: the committed OpenAPI document and the code that checks it."""
