@@ -11,6 +11,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,7 +130,9 @@ def _load_gguf(gguf: Path, config: EngineConfig, dtype: torch.dtype) -> tuple[ob
     model.is_quantized = False
     try:
         # Write to a private folder and rename, so a concurrent start never reads half a cache.
-        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        # mkdtemp, not the pid: every container's server is pid 1 on a shared cache volume.
+        tmp = Path(tempfile.mkdtemp(prefix=cache.name + ".tmp", dir=cache.parent))
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         try:
