@@ -11,42 +11,6 @@ def greedy(n: int, min_new: int = 0) -> SamplingParams:
     return SamplingParams(strategy="greedy", max_new_tokens=n, min_new_tokens=min_new)
 
 
-def test_single_jobs_equal_generate(smollm2, make_engine):
-    eng = make_engine(smollm2)
-    for ids in varied_prompts(smollm2.tokenizer, 3):
-        h = eng.submit(ids, greedy(24))
-        eng.run_until_idle()
-        got = collect(h)[0]
-        assert got["tokens"] == reference_greedy(smollm2.model, ids, 24)
-        assert got["text"] == smollm2.tokenizer.decode(got["tokens"], skip_special_tokens=True)
-
-
-def test_rolling_batch_with_splitting_equals_generate(smollm2, make_engine):
-    eng = make_engine(smollm2, max_rolling_batch_size=16, max_sparsity=0.05, max_splits=3)
-    prompts = varied_prompts(smollm2.tokenizer, 10)
-    # Every job runs its whole budget (EOS blocked, on both sides), so they leave at different
-    # steps.
-    budgets = [10 + 3 * i for i in range(len(prompts))]
-    handles, stats, i = {}, [], 0
-    # Three jobs start together; the rest join one every third step while the batch runs.
-    for _ in range(3):
-        handles[i] = eng.submit(prompts[i], greedy(budgets[i], budgets[i]))
-        i += 1
-    while eng.scheduler.has_work or i < len(prompts):
-        if i < len(prompts) and len(stats) % 3 == 2:
-            handles[i] = eng.submit(prompts[i], greedy(budgets[i], budgets[i]))
-            i += 1
-        stats.append(eng.step())
-    assert len({s.step for s in stats if s.admitted}) >= 4, "jobs should join at different steps"
-    assert max(s.sub_batches for s in stats) >= 2, "splitting should be active"
-    assert max(s.running for s in stats) >= 6
-    for j, h in handles.items():
-        got = collect(h)[0]
-        assert got["tokens"] == reference_greedy(
-            smollm2.model, prompts[j], budgets[j], budgets[j]
-        ), f"job {j}"
-
-
 def _chat(tokenizer, system: str, user: str) -> tuple[list[int], int]:
     msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
     full = tokenizer.encode(
@@ -67,6 +31,49 @@ QUESTIONS = [
     "What does 'held at depot' mean?",
     "How do I return a damaged item?",
 ]
+
+
+def test_single_jobs_equal_generate(smollm2, make_engine):
+    eng = make_engine(smollm2)
+    for ids in varied_prompts(smollm2.tokenizer, 3):
+        h = eng.submit(ids, greedy(24))
+        eng.run_until_idle()
+        got = collect(h)[0]
+        assert got["tokens"] == reference_greedy(smollm2.model, ids, 24)
+        assert got["text"] == smollm2.tokenizer.decode(got["tokens"], skip_special_tokens=True)
+
+
+def test_rolling_batch_with_splitting_and_cache_equals_generate(smollm2, make_engine):
+    tok = smollm2.tokenizer
+    eng = make_engine(smollm2, max_rolling_batch_size=16, max_sparsity=0.05, max_splits=3)
+    # Ten plain prompts of 5 to 500 tokens, and four chats sharing one cached system prompt.
+    jobs = [(ids, 0) for ids in varied_prompts(tok, 10)]
+    jobs[2:2] = [_chat(tok, SYSTEM, q) for q in QUESTIONS]
+    # Every job runs its whole budget (EOS blocked, on both sides): they leave at different steps.
+    budgets = [10 + 3 * i for i in range(len(jobs))]
+    handles, stats, i = {}, [], 0
+
+    def submit(i: int) -> None:
+        ids, prefix = jobs[i]
+        handles[i] = eng.submit(ids, greedy(budgets[i], budgets[i]), prefix_len=prefix)
+
+    # Three jobs start together; the rest join one every third step while the batch runs.
+    for _ in range(3):
+        submit(i)
+        i += 1
+    while eng.scheduler.has_work or i < len(jobs):
+        if i < len(jobs) and len(stats) % 3 == 2:
+            submit(i)
+            i += 1
+        stats.append(eng.step())
+    assert len({s.step for s in stats if s.admitted}) >= 8, "jobs should join at different steps"
+    assert max(s.sub_batches for s in stats) >= 2, "splitting should be active"
+    assert max(s.running for s in stats) >= 8
+    assert sum(s.cached_prompt_tokens > 0 for s in stats) >= 3, "the prompt cache should hit"
+    for j, h in handles.items():
+        got = collect(h)[0]
+        ref = reference_greedy(smollm2.model, jobs[j][0], budgets[j], budgets[j])
+        assert got["tokens"] == ref, f"job {j}"
 
 
 def test_prompt_cache_hits_and_equals_generate(smollm2, make_engine):
