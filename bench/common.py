@@ -35,6 +35,8 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=None,
                     help="JSON results path (None: bench/results/<script>.json)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
+                    help="model dtype for every method (auto: bf16 on AMX CPUs and GPUs)")
     return ap
 
 
@@ -49,10 +51,10 @@ def load_tokenizer():
     return load_model(EngineConfig()).tokenizer
 
 
-def load(threads: int, device: str = "cpu") -> LoadedModel:
+def load(threads: int, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
     """The embedded default model (SmolLM2-135M-Instruct) with `threads` torch threads."""
     setup_threads(threads)
-    return load_model(EngineConfig(num_threads=threads, device=device))
+    return load_model(EngineConfig(num_threads=threads, device=device, dtype=dtype))
 
 
 def sync(device: torch.device) -> None:

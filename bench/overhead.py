@@ -183,7 +183,7 @@ def main() -> None:
     if args.new_tokens < FIRST_PURE_STEP + 1:
         ap.error(f"--new-tokens must be at least {FIRST_PURE_STEP + 1}")
 
-    loaded = load(args.threads, args.device)
+    loaded = load(args.threads, args.device, args.dtype)
     lo, hi = round(args.prompt_tokens * 0.9), round(args.prompt_tokens * 1.1)
     prompts = [r.prompt_ids for r in load_requests(loaded.tokenizer, args.jobs, seed=args.seed,
                                                    min_prompt=lo, max_prompt=hi)]

@@ -68,7 +68,7 @@ def main() -> None:
     if args.quick:
         args.prompts, args.new_tokens, args.configs = 8, 16, "main"
 
-    loaded = load(args.threads, args.device)
+    loaded = load(args.threads, args.device, args.dtype)
     lengths = log_spaced(args.prompts, args.min_len, args.max_len)
     random.Random(args.seed).shuffle(lengths)  # arrival order mixes short and long
     text = text_token_ids(loaded.tokenizer, sum(lengths), seed=args.seed)

@@ -49,7 +49,7 @@ def main() -> None:
         args.num_prompts, args.max_tokens, args.baseline_a_prompts = 8, 16, 4
     n_a = min(args.baseline_a_prompts, args.num_prompts)
 
-    loaded = load(args.threads, args.device)
+    loaded = load(args.threads, args.device, args.dtype)
     reqs = load_requests(loaded.tokenizer, args.num_prompts, seed=args.seed,
                          max_output=args.max_tokens)
     prompts = [r.prompt_ids for r in reqs]
