@@ -33,13 +33,14 @@ from bench.common import (
 )
 from bench.sharegpt import text_token_ids
 
-CONFIGS = {  # label: (max_sparsity, max_splits)
-    "no split (max_splits=1)": (0.33, 1),
-    "defaults (0.33, 3)": (0.33, 3),
-    "max_sparsity=0.05, 3": (0.05, 3),
-    "max_sparsity=1.0, 3": (1.0, 3),
+CONFIGS = {  # label: (max_sparsity, max_splits, fuse_sub_batches)
+    "no split (max_splits=1)": (0.33, 1, False),
+    "defaults (0.33, 3)": (0.33, 3, False),
+    "0.33, 3, fused forward": (0.33, 3, True),
+    "max_sparsity=0.05, 3": (0.05, 3, False),
+    "max_sparsity=1.0, 3": (1.0, 3, False),
 }
-MAIN = list(CONFIGS)[:2]
+MAIN = list(CONFIGS)[:3]
 
 
 def log_spaced(count: int, lo: int, hi: int) -> list[int]:
@@ -87,16 +88,17 @@ def main() -> None:
     labels = list(CONFIGS) if args.configs == "all" else MAIN
     results, reference = {}, None
     for label in labels:
-        max_sparsity, max_splits = CONFIGS[label]
+        max_sparsity, max_splits, fuse = CONFIGS[label]
         eng, rec = make_engine(loaded, args.threads, max_rolling_batch_size=max(32, args.prompts),
-                               max_sparsity=max_sparsity, max_splits=max_splits)
+                               max_sparsity=max_sparsity, max_splits=max_splits,
+                               fuse_sub_batches=fuse)
         run_engine(eng, [(prompts[0][:8], fixed_length(2))])  # warm the engine path
         rec.steps.clear()
         outputs, seconds = run_engine(eng, jobs)
         eng.stop()
         reference = reference or outputs
         st = rec.summary()
-        results[label] = {"max_sparsity": max_sparsity, "max_splits": max_splits,
+        results[label] = {"max_sparsity": max_sparsity, "max_splits": max_splits, "fused": fuse,
                           "seconds": seconds, "tokens_per_s": out_tokens / seconds,
                           "same_outputs_as_first": outputs == reference, "steps": st}
         print(f"{label}: {seconds:.1f}s")

@@ -51,6 +51,9 @@ class EngineConfig:
     max_splits: int = 3
     # Decoding default for jobs that do not choose.
     decoding_strategy: str = "greedy"
+    # Run all sub-batches in one forward call with attention split per sub-batch (models using
+    # transformers' attention interface); off: one forward per sub-batch.
+    fuse_sub_batches: bool = False
     # Prompt cache (system-prompt prefix KV), bounded in bytes; 0 disables it.
     prompt_cache_bytes: int = 512 * 1024 * 1024
     # Smallest prefix (tokens) worth caching.

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import fused
 from engine.batch import RollingBatch, RowKV, row_from_cache
 from engine.config import EngineConfig
 from engine.decoder import TokenDecoder, fail
@@ -111,6 +112,7 @@ class Engine:
         self.max_model_len = min(self.config.max_model_len or limit, limit)
         self.eos_ids = self._eos_ids()
         self.runner = ModelRunner(self.loaded.model, self.loaded.device)
+        self.fused = self.config.fuse_sub_batches and fused.install(self.loaded.model)
         self.scheduler = Scheduler(self.config)
         self.batch = RollingBatch()
         self.prefix_cache = PrefixCache(self.config.prompt_cache_bytes)
@@ -262,8 +264,7 @@ class Engine:
         if plan.membership_changed or new_rows:
             part, groups = self.scheduler.partition()
             self.batch.regroup(groups, new_rows)
-        for sb in list(self.batch.sub_batches):
-            self._decode(sb, touched)
+        self._decode_all(touched)
         t2 = time.perf_counter()
         self._publish(touched)
         return self._record(plan, part, t1 - t0, t2 - t1)
@@ -323,22 +324,37 @@ class Engine:
             return self.runner.prefill(ids, entry, chunk, want_hidden)
         return self.runner.prefill(ids, None, chunk, want_hidden)
 
-    def _decode(self, sb, touched: dict[str, Job]) -> None:
-        want_hidden = any(s.job.strategy == "contrastive" for s in sb.seqs)
-        try:
-            logits, hidden = self.runner.decode(sb, want_hidden)
-        except Exception as exc:
-            log.exception("decode forward failed for a sub-batch of %d", sb.size)
+    def _decode_all(self, touched: dict[str, Job]) -> None:
+        """One decode step for every sub-batch: fused into one forward, or one forward each."""
+        sbs = list(self.batch.sub_batches)
+        hidden = [any(s.job.strategy == "contrastive" for s in sb.seqs) for sb in sbs]
+        if self.fused and len(sbs) > 1:
+            try:
+                results = self.runner.decode_fused(sbs, any(hidden))
+            except Exception as exc:  # slabs may be half-written: every row fails
+                log.exception("fused decode forward failed")
+                results = [exc] * len(sbs)
+        else:
+            results = []
+            for sb, want in zip(sbs, hidden):
+                try:
+                    results.append(self.runner.decode(sb, want))
+                except Exception as exc:
+                    log.exception("decode forward failed for a sub-batch of %d", sb.size)
+                    results.append(exc)
+        for sb, result in zip(sbs, results):
             for s in sb.seqs:
                 touched[s.job.job_id] = s.job
-                fail(s, f"forward failed: {exc}")
-            return
-        for i, s in enumerate(sb.seqs):
-            s.kv_len += 1
-            touched[s.job.job_id] = s.job
-            if hidden is not None and s.hidden is not None:
-                s.hidden = torch.cat([s.hidden, hidden[i : i + 1]])
-        self.decoder.choose(sb.seqs, logits, [sb] * sb.size)
+            if isinstance(result, Exception):
+                for s in sb.seqs:
+                    fail(s, f"forward failed: {result}")
+                continue
+            logits, states = result
+            for i, s in enumerate(sb.seqs):
+                s.kv_len += 1
+                if states is not None and s.hidden is not None:
+                    s.hidden = torch.cat([s.hidden, states[i : i + 1]])
+            self.decoder.choose(sb.seqs, logits, [sb] * sb.size)
 
     def _fail_all(self, message: str) -> None:
         touched = {}

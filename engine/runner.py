@@ -10,6 +10,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from engine.batch import RowKV, SubBatch
+from engine.fused import FusedCache
 from engine.prefix_cache import PrefixEntry
 
 
@@ -93,6 +94,30 @@ class ModelRunner:
         sb.advance()
         hidden = out.hidden_states[-1][:, -1] if want_hidden else None
         return out.logits[:, -1].float(), hidden
+
+    def decode_fused(
+        self, sub_batches: list[SubBatch], want_hidden: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Feed every sub-batch's pending tokens in one forward (attention still per sub-batch).
+
+        Returns, per sub-batch, what `decode` returns for it.
+        """
+        inputs = [sb.decode_inputs() for sb in sub_batches]
+        out = self._forward(
+            input_ids=torch.cat([i["input_ids"] for i in inputs]),
+            position_ids=torch.cat([i["position_ids"] for i in inputs]),
+            past_key_values=FusedCache(sub_batches),
+            output_hidden_states=want_hidden,
+        )
+        logits = out.logits[:, -1].float()
+        hidden = out.hidden_states[-1][:, -1] if want_hidden else None
+        results, start = [], 0
+        for sb in sub_batches:
+            sb.advance()
+            end = start + sb.size
+            results.append((logits[start:end], hidden[start:end] if want_hidden else None))
+            start = end
+        return results
 
     def lookahead(self, row: RowKV, candidates: list[int]) -> torch.Tensor:
         """Last-layer hidden states of each candidate token placed after `row` ([k, hidden])."""

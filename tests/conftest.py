@@ -1,4 +1,4 @@
-"""Shared fixtures: the real SmolLM2 (embedded GGUF, cached as safetensors) and a tiny random model."""
+"""Shared fixtures: the real SmolLM2 (embedded GGUF, cached as safetensors), a tiny random model."""
 
 from __future__ import annotations
 

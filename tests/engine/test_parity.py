@@ -3,6 +3,8 @@ joins at different steps and max-sparsity splitting, and with the system-prompt 
 
 from __future__ import annotations
 
+import pytest
+
 from engine import SamplingParams
 from tests.engine.helpers import collect, reference_greedy, varied_prompts
 
@@ -43,9 +45,13 @@ def test_single_jobs_equal_generate(smollm2, make_engine):
         assert got["text"] == smollm2.tokenizer.decode(got["tokens"], skip_special_tokens=True)
 
 
-def test_rolling_batch_with_splitting_and_cache_equals_generate(smollm2, make_engine):
+@pytest.mark.parametrize("fuse", [False, True], ids=["forward-per-sub-batch", "fused"])
+def test_rolling_batch_with_splitting_and_cache_equals_generate(smollm2, make_engine, fuse):
     tok = smollm2.tokenizer
-    eng = make_engine(smollm2, max_rolling_batch_size=16, max_sparsity=0.05, max_splits=3)
+    eng = make_engine(
+        smollm2, max_rolling_batch_size=16, max_sparsity=0.05, max_splits=3, fuse_sub_batches=fuse
+    )
+    assert eng.fused == fuse
     # Ten plain prompts of 5 to 500 tokens, and four chats sharing one cached system prompt.
     jobs = [(ids, 0) for ids in varied_prompts(tok, 10)]
     jobs[2:2] = [_chat(tok, SYSTEM, q) for q in QUESTIONS]

@@ -1,0 +1,319 @@
+"""The serving benchmark's report: raw results (JSON) → docs/benchmarks.md and PNG plots.
+
+    python -m bench.report [bench/results/serving.json] [--doc docs/benchmarks.md]
+
+Regenerates the report from a results file without rerunning anything. Repeats of a
+(server, concurrency) pair are aggregated thus: throughput is the mean over runs, latency
+percentiles are taken over all the runs' requests together, errors are summed and peak RSS is the
+largest. seqgate/peer ratios are geometric means of per-repeat ratios, each pairing two runs
+taken one after the other (A B A B), with the range of those ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench import plots
+from bench.common import markdown_table
+from bench.figures import geomean, mean_of, paired_ratios, pooled, ratio
+
+PEER_NOTES = """\
+- `transformers serve` pins the model given as FORCE_MODEL: a request must name exactly that string
+  (here the model directory) or no model. Its `GET /v1/models` answers 500 when there is no hub
+  cache to scan, so readiness is polled on `/health`, which answers once the model is loaded.
+- It sends a role-only first chunk at once, so time to first token counts from the first chunk with
+  content. It ends a stream without `data: [DONE]`, and always puts `usage` in its last chunk; it
+  ignores `stream_options` (logging that once), which seqgate needs to report usage in a stream.
+- Without `--continuous-batching` it runs one `generate()` at a time on one thread: concurrent
+  requests queue, so their time to first token grows with the queue.
+- With `--continuous-batching` it builds the batching manager on the first request (about 10 s
+  here; the warm-up requests absorb it), shares that request's sampling settings with every later
+  one (all greedy here), and sizes its paged KV cache from the free memory: on the CPU its resident
+  memory reaches several GiB whatever the load.
+- Both run with their default torch thread count (all cores); seqgate chooses its own
+  (`option.num_threads`). The load generator runs on the same machine as the server.
+"""
+
+
+def _g(value, unit: float = 1.0) -> str:
+    """Three significant digits (thousands separated); '-' for missing."""
+    if value is None:
+        return "-"
+    v = value * unit
+    if abs(v) >= 100:
+        return f"{v:,.0f}"
+    return f"{v:.3g}"
+
+
+def _mib(nbytes) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:,.0f}"
+
+
+def group(runs: Sequence[dict], *keys: str) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = defaultdict(list)
+    for run in runs:
+        out[tuple(run[k] for k in keys)].append(run)
+    return dict(out)
+
+
+def _aggregate_row(runs: Sequence[dict]) -> list[str]:
+    return [str(len(runs)), _g(mean_of(runs, "output_tokens_per_s")),
+            _g(mean_of(runs, "requests_per_s")),
+            _g(pooled(runs, "ttft", 50)), _g(pooled(runs, "ttft", 95)),
+            _g(pooled(runs, "tpot", 50), 1e3), _g(pooled(runs, "tpot", 95), 1e3),
+            _g(pooled(runs, "e2e", 50)), _g(pooled(runs, "e2e", 95)),
+            str(sum(r["figures"]["errors"] for r in runs)),
+            f'{_mib(max(r["memory"]["run_peak_rss"] for r in runs))} / '
+            f'{_mib(max(r["memory"]["peak_rss"] for r in runs))}']
+
+
+LATENCY_HEADERS = ["runs", "output tok/s", "req/s", "TTFT p50 s", "TTFT p95 s", "TPOT p50 ms",
+                   "TPOT p95 ms", "E2E p50 s", "E2E p95 s", "errors", "RSS MiB run / life peak"]
+
+
+def _ratio_cell(ratios: list[float]) -> str:
+    if not ratios:
+        return "-"
+    gm = geomean(ratios)
+    if len(ratios) == 1:
+        return f"{_g(gm)}×"
+    return f"{_g(gm)}× ({_g(min(ratios))}–{_g(max(ratios))})"
+
+
+def sweep_section(runs: Sequence[dict], plot_dir: Path, doc_dir: Path) -> tuple[list[str], dict]:
+    groups = group(runs, "server", "concurrency")
+    rows = [[server, str(conc), str(runs_[0]["figures"]["requests"]), *_aggregate_row(runs_)]
+            for (server, conc), runs_ in sorted(groups.items(), key=lambda kv: (kv[0][1],))]
+    lines = ["## Sweep: ShareGPT chats at rising concurrency", "",
+             markdown_table(["server", "concurrency", "requests", *LATENCY_HEADERS], rows), ""]
+    ratios: dict = {}
+    peers = [s for s in dict.fromkeys(s for s, _ in groups) if s != "seqgate"]
+    ratio_rows = []
+    for peer in peers:
+        for conc in sorted({c for _, c in groups}):
+            ours, theirs = groups.get(("seqgate", conc)), groups.get((peer, conc))
+            if not ours or not theirs:
+                continue
+            tok = paired_ratios(ours, theirs, "output_tokens_per_s")
+            ttft = paired_ratios(ours, theirs, "ttft_p50")
+            ratios[peer, conc] = {"tokens_per_s": geomean(tok), "ttft_p50": geomean(ttft)}
+            ratio_rows.append([peer, str(conc), _ratio_cell(tok), _ratio_cell(ttft),
+                               _ratio_cell(paired_ratios(ours, theirs, "tpot_p50"))])
+    if ratio_rows:
+        lines += ["seqgate / peer, from runs taken side by side (geometric mean of the per-repeat "
+                  "ratios; range in brackets). Above 1 is better for tokens/s, below 1 for "
+                  "latency.", "",
+                  markdown_table(["peer", "concurrency", "output tok/s", "TTFT p50",
+                                  "TPOT p50"], ratio_rows), ""]
+    if groups:
+        tp = plots.throughput(groups, plot_dir / "throughput.png")
+        tt = plots.ttft_distribution(groups, plot_dir / "ttft.png")
+        lines += [f"![throughput vs concurrency]({tp.relative_to(doc_dir)})", "",
+                  f"![time to first token]({tt.relative_to(doc_dir)})", ""]
+    return lines, ratios
+
+
+def cache_section(runs: Sequence[dict], meta: dict, plot_dir: Path,
+                  doc_dir: Path) -> tuple[list[str], float | None]:
+    groups = {k[0]: v for k, v in group(runs, "server").items()}
+    rows = []
+    for label, runs_ in groups.items():
+        hits = sum((r["engine"] or {}).get("prompt_cache_hits", 0) for r in runs_)
+        cached = sum((r["engine"] or {}).get("prompt_cache_cached_tokens", 0) for r in runs_)
+        rows.append([label, *_aggregate_row(runs_)[:5], f"{hits:.0f}", f"{cached:,.0f}"])
+    on, off = groups.get("seqgate cache on"), groups.get("seqgate cache off")
+    speedup = ratio(pooled(off, "ttft", 50), pooled(on, "ttft", 50)) if on and off else None
+    conc = runs[0]["concurrency"] if runs else "-"
+    lines = ["## Prompt cache: one shared system prompt", "",
+             f"Every request starts with the same {meta.get('system_prompt_tokens', '~400')}"
+             f"-token system prompt, at concurrency {conc}; seqgate with its prompt cache on "
+             "(default) and off (`--prompt-cache-bytes 0`), interleaved.", "",
+             markdown_table(["config", *LATENCY_HEADERS[:5], "cache hits", "cached tokens"],
+                            rows), "",
+             f"TTFT p50 without the cache / with it: **{_g(speedup)}×**.", ""]
+    if groups:
+        p = plots.cache_ttft(groups, plot_dir / "prompt_cache_ttft.png")
+        lines += [f"![prompt cache TTFT]({p.relative_to(doc_dir)})", ""]
+    return lines, speedup
+
+
+def splitting_section(runs: Sequence[dict], meta: dict) -> tuple[list[str], dict]:
+    groups = {k[0]: v for k, v in group(runs, "config").items()}
+    base = groups.get("max_splits=1")
+    base_tps = mean_of(base, "output_tokens_per_s") if base else None
+    rows, summary = [], {}
+    for label, runs_ in groups.items():
+        tps = mean_of(runs_, "output_tokens_per_s")
+        sub = [r["engine"]["sub_batches_per_step"] for r in runs_ if r["engine"]]
+        sub_mean = ratio(sum(s["sum"] for s in sub), sum(s["count"] for s in sub))
+        sub_max = max((s["max_le"] or 0 for s in sub), default=None)
+        sp = [r["engine"]["sparsity_per_step"] for r in runs_ if r["engine"]]
+        sp_mean = ratio(sum(s["sum"] for s in sp), sum(s["count"] for s in sp))
+        growth = max(r["memory"]["run_growth"] for r in runs_)
+        peak = max(r["memory"]["run_peak_rss"] for r in runs_)
+        summary[label] = {"tokens_per_s": tps, "run_growth": growth, "run_peak_rss": peak}
+        rows.append([label, str(len(runs_)), _g(tps), _g(ratio(tps, base_tps)), _mib(peak),
+                     _mib(growth), _g(sub_mean), _g(sub_max), _g(sp_mean),
+                     str(sum(r["figures"]["errors"] for r in runs_))])
+    lengths = meta.get("splitting_prompt_lengths") or []
+    conc = runs[0]["concurrency"] if runs else "-"
+    lines = ["## Splitting: prompts over two orders of magnitude", "",
+             f"{len(lengths)} completions over token-id prompts of {min(lengths, default=0)}–"
+             f"{max(lengths, default=0)} tokens (log-spaced, shuffled), each generating exactly "
+             f"the same number of tokens, at concurrency {conc}. Memory is the server's RSS: its "
+             "largest value sampled during the run, and its growth over the idle server's "
+             "(the KV cache, activations and allocator slack). Sub-batches and sparsity per "
+             "decode step come from seqgate's /metrics histograms (max: the histogram bucket "
+             "that holds every step).", "",
+             markdown_table(["config", "runs", "output tok/s", "vs max_splits=1",
+                             "run peak RSS MiB", "RSS growth MiB", "sub-batches/step",
+                             "max sub-batches", "mean sparsity", "errors"], rows), ""]
+    return lines, summary
+
+
+def agreement_section(section: dict) -> list[str]:
+    comparisons = section.get("comparisons") or {}
+    if not comparisons:
+        return []
+    lines = ["## Greedy agreement", "",
+             "Non-streamed greedy chats, same prompts and max_tokens on both sides; texts "
+             "compared exactly.", ""]
+    for peer, c in comparisons.items():
+        lines.append(f"- seqgate vs {peer}: **{c['matches']}/{c['prompts']}** identical.")
+    lines.append("")
+    diffs = [[peer, str(r["index"]), str(r.get("first_diff_char", "-")),
+              str(r.get("first_diff_token", "-")), f"{r['ours_tokens']}/{r['theirs_tokens']}",
+              _tie(r), _cell(r.get("ours_context") or r.get("error", "")),
+              _cell(r.get("theirs_context", ""))]
+             for peer, c in comparisons.items() for r in c["rows"] if not r["match"]]
+    if diffs:
+        lines += ["Differences: the first differing character and token, seqgate's chosen token "
+                  "there against its runner-up with their logprob gap (a gap of a few hundredths "
+                  "is a near tie that rounding differences can tip), and the text around it.", "",
+                  markdown_table(["peer", "prompt", "char", "token", "tokens (ours/theirs)",
+                                  "seqgate's choice / runner-up (gap)", "seqgate", "peer"],
+                                 diffs), ""]
+    return lines
+
+
+def _tie(row: dict) -> str:
+    if row.get("ours_margin") is None:
+        return "-"
+    return (f"{_cell(row['ours_token'])} / {_cell(row['ours_runner_up'])} "
+            f"({row['ours_margin']:.3f})")
+
+
+def _cell(text: str) -> str:
+    return "`" + text.replace("\n", "⏎").replace("|", "\\|").replace("`", "'") + "`"
+
+
+def targets_section(ratios: dict, cache_speedup: float | None, split: dict) -> list[str]:
+    rows = []
+
+    def add(name: str, value: float | None, goal: str, ok: bool | None) -> None:
+        rows.append([name, _g(value), goal, "-" if ok is None else ("yes" if ok else "**no**")])
+
+    for peer in ("tf-serve-cb", "tf-serve"):
+        r32, r1 = ratios.get((peer, 32)), ratios.get((peer, 1))
+        if r32:
+            t, f = r32["tokens_per_s"], r32["ttft_p50"]
+            add(f"c=32 output tok/s vs {peer}", t, "≥ 2.5×", None if t is None else t >= 2.5)
+            add(f"c=32 TTFT p50 vs {peer}", f, "≤ 0.33×", None if f is None else f <= 1 / 3)
+        if r1:
+            t = r1["tokens_per_s"]
+            add(f"c=1 output tok/s vs {peer}", t, "≥ 1.3×", None if t is None else t >= 1.3)
+    if cache_speedup is not None:
+        add("prompt cache: TTFT p50 off / on", cache_speedup, "≥ 3×", cache_speedup >= 3)
+    base = split.get("max_splits=1")
+    dflt = split.get("max_splits=3, max_sparsity=0.33 (defaults)")
+    if base and dflt:
+        mem = ratio(dflt["run_growth"], base["run_growth"])
+        add("splitting: defaults' RSS growth / max_splits=1", mem, "< 1×",
+            None if mem is None else mem < 1)
+        tps = ratio(dflt["tokens_per_s"], base["tokens_per_s"])
+        add("splitting: defaults' tok/s / max_splits=1", tps, "≥ 0.85×",
+            None if tps is None else tps >= 0.85)
+    if not rows:
+        return []
+    return ["## Targets (issue 4)", "",
+            markdown_table(["target", "measured", "goal", "met"], rows), "",
+            "The splitting memory target is about peak KV memory, which /metrics does not expose; "
+            "the server's RSS growth during the run stands in for it.", ""]
+
+
+def render(data: dict, doc: Path) -> str:
+    meta, m, v = data["meta"], data["meta"]["machine"], data["meta"]["versions"]
+    plot_dir = doc.parent / doc.stem
+    sweep_lines, ratios = sweep_section(data["sweep"], plot_dir, doc.parent)
+    cache_lines, speedup = cache_section(data["cache"], meta, plot_dir, doc.parent) \
+        if data["cache"] else ([], None)
+    split_lines, split = splitting_section(data["splitting"], meta) \
+        if data["splitting"] else ([], {})
+    sha = (v.get("seqgate_git_sha") or "?")[:12] + (" (uncommitted changes)"
+                                                    if v.get("seqgate_git_dirty") else "")
+    phases = ", ".join(f"{k} {s / 60:.1f} min" for k, s in meta["phase_seconds"].items())
+    head = [
+        "# Serving benchmarks", "",
+        "Generated by `make bench` (`bench/serving.py`, report by `bench/report.py`); rerun it "
+        "rather than editing this file.", "",
+        f"- Command: `{meta['command']}`",
+        f"- Run: {meta['started']} → {meta.get('finished', '?')} ({phases or 'no phase done'})",
+        f"- Machine: {m['cpu']}, {m['cores_available']} cores available "
+        f"({m['logical_cpus']} logical CPUs), {m['memory_gib']} GiB RAM; 1-minute load "
+        f"average at start {m['load_avg_1m_at_start']}",
+        f"- Versions: seqgate {v.get('seqgate')} at {sha}, torch {v['torch']}, transformers "
+        f"{v['transformers']}, Python {v['python']}",
+        f"- Model: SmolLM2-135M-Instruct, fp32 on the CPU, the same local copy for every "
+        f"server (`{meta['model_dir']}`)",
+        "- Workload: ShareGPT V3 first human turns (prompts 4–1024 tokens with the chat "
+        "template), max_tokens = the first reply's token count capped at "
+        f"{meta['args']['max_tokens']}, greedy, streamed chat completions, closed loop, seed "
+        f"{meta['args']['seed']}. TTFT counts to the first content chunk; TPOT is (end − first "
+        "token) / (tokens − 1) per request; throughput is over the run's wall time.", "",
+    ]
+    head += _contention(data)
+    if meta["args"].get("quick"):
+        head += ["**A --quick smoke run: too few requests for the numbers to mean anything.**", ""]
+    return "\n".join(head + targets_section(ratios, speedup, split) + sweep_lines + cache_lines
+                     + split_lines + agreement_section(data["agreement"])
+                     + ["## Notes on the peer", "", PEER_NOTES])
+
+
+def _contention(data: dict) -> list[str]:
+    """A line on how busy the machine was with other work during the runs."""
+    runs = [r for key in ("sweep", "cache", "splitting") for r in data[key] if r.get("cpu")]
+    if not runs:
+        return []
+    worst = max(runs, key=lambda r: r["cpu"]["other_cores"])
+    mean = sum(r["cpu"]["other_cores"] for r in runs) / len(runs)
+    line = (f"- Other processes' CPU use during the runs: {mean:.2f} cores on average, at most "
+            f"{worst['cpu']['other_cores']:.2f} ({worst['server']}, concurrency "
+            f"{worst['concurrency']}).")
+    if worst["cpu"]["other_cores"] > 0.25:
+        line += (" **The machine was not quiet: rerun on an idle machine before trusting "
+                 "absolute numbers or ratios.**")
+    return [line, ""]
+
+
+def write_report(data: dict, doc: Path) -> Path:
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(render(data, doc))
+    return doc
+
+
+def main() -> None:
+    from bench.serving import DOCS, RESULTS
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", nargs="?", type=Path, default=RESULTS / "serving.json")
+    ap.add_argument("--doc", type=Path, default=DOCS / "benchmarks.md")
+    args = ap.parse_args()
+    print(write_report(json.loads(args.results.read_text()), args.doc))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""The servers under test: how to start each one, wait for it, measure its memory and stop it.
+
+Every server runs as a child process on a free 127.0.0.1 port, on the CPU, serving the same local
+safetensors copy of SmolLM2-135M-Instruct (the one seqgate's loader de-quantises the embedded GGUF
+into), so both sides load the same weights:
+  seqgate          `seqgate serve --model DIR --device cpu --port P [extra flags]`
+  transformers     `transformers serve DIR --device cpu --port P [--continuous-batching]`
+The peer pins DIR as its FORCE_MODEL: requests must name exactly DIR (or no model), its
+/v1/models answers 500 without a hub cache, so readiness is polled on /health, which only answers
+once the forced model is loaded. Stop: SIGTERM, then SIGKILL after a timeout. Memory: the peak RSS
+of the process tree (VmHWM, the kernel's high-water mark, summed over the tree) and the largest
+RSS sampled while a workload runs (which leaves out the peak of loading the model).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One server configuration: its label in the results and how to launch it."""
+
+    label: str  # e.g. "seqgate", "tf-serve", "tf-serve-cb", "seqgate cache off"
+    kind: str  # "seqgate" | "transformers"
+    extra_args: tuple[str, ...] = ()
+    ready_path: str = "/health"
+
+    def argv(self, model_dir: Path, port: int) -> list[str]:
+        if self.kind == "seqgate":
+            return [_venv_script("seqgate"), "serve", "--model", str(model_dir), "--device", "cpu",
+                    "--host", "127.0.0.1", "--port", str(port), *self.extra_args]
+        if self.kind == "transformers":
+            return [_venv_script("transformers"), "serve", str(model_dir), "--device", "cpu",
+                    "--host", "127.0.0.1", "--port", str(port), *self.extra_args]
+        raise ValueError(f"unknown server kind {self.kind!r}")
+
+    def request_model(self, model_dir: Path, served_name: str | None) -> str | None:
+        """The `model` to put in requests: the peer accepts only its FORCE_MODEL string."""
+        return str(model_dir) if self.kind == "transformers" else served_name
+
+
+SEQGATE = ServerSpec("seqgate", "seqgate")
+TF_SERVE = ServerSpec("tf-serve", "transformers")
+TF_SERVE_CB = ServerSpec("tf-serve-cb", "transformers", ("--continuous-batching",))
+SWEEP_SERVERS = {s.label: s for s in (SEQGATE, TF_SERVE, TF_SERVE_CB)}
+
+
+def _venv_script(name: str) -> str:
+    """The console script beside this interpreter (the venv's), else the one on PATH."""
+    here = Path(sys.executable).parent / name
+    found = str(here) if here.exists() else shutil.which(name)
+    if not found:
+        raise FileNotFoundError(f"`{name}` is not installed beside {sys.executable} nor on PATH")
+    return found
+
+
+def local_model_dir() -> Path:
+    """The safetensors copy of the embedded model that seqgate's loader caches (made if missing:
+    the first load de-quantises the GGUF, about 15 s)."""
+    from engine.loader import _gguf_cache_path, default_cache_dir, embedded_model_path
+
+    path = _gguf_cache_path(embedded_model_path(), default_cache_dir())
+    if not (path / "model.safetensors").is_file():
+        from engine import EngineConfig, load_model
+
+        load_model(EngineConfig(device="cpu"))
+    return path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _status_kib(pid: int, field_name: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def tree_rss(pid: int) -> int:
+    """Current RSS of a process and its descendants, in bytes."""
+    total = 0
+    for p in _tree(pid):
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def tree_peak_rss(pid: int) -> int:
+    """Peak RSS over each live process's lifetime (VmHWM), summed over the tree, in bytes; where
+    the kernel gives no VmHWM (not Linux), the current RSS."""
+    total = 0
+    for p in _tree(pid):
+        hwm = _status_kib(p.pid, "VmHWM")
+        if hwm is not None:
+            total += hwm * 1024
+        else:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+    return total
+
+
+@dataclass
+class RssSampler:
+    """Samples a process tree's RSS on a thread while a workload runs; `peak` is the largest."""
+
+    pid: int
+    interval: float = 0.2
+    peak: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> RssSampler:
+        self.peak = tree_rss(self.pid)
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, tree_rss(self.pid))
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+        self.peak = max(self.peak, tree_rss(self.pid))
+
+
+def _tree_cpu_seconds(pid: int) -> float:
+    total = 0.0
+    for p in _tree(pid):
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+        except psutil.Error:
+            pass
+    return total
+
+
+def _busy_seconds() -> float:
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "steal", 0.0)
+
+
+@dataclass
+class CpuAccount:
+    """Where the machine's CPU time went while a workload ran: the server's process tree, this
+    process (the load generator), and everything else (`other_cores`: other processes' average
+    use, in cores; well above 0 means the numbers were taken on a busy machine). `steal_cores`
+    is time the hypervisor gave to other guests."""
+
+    pid: int
+    server_cores: float = 0.0
+    loadgen_cores: float = 0.0
+    other_cores: float = 0.0
+    steal_cores: float = 0.0
+
+    def __enter__(self) -> CpuAccount:
+        self._start = self._snapshot()
+        return self
+
+    def _snapshot(self) -> tuple[float, ...]:
+        own = psutil.Process().cpu_times()
+        steal = getattr(psutil.cpu_times(), "steal", 0.0)
+        return (time.perf_counter(), _busy_seconds(), _tree_cpu_seconds(self.pid),
+                own.user + own.system, steal)
+
+    def __exit__(self, *exc) -> None:
+        end = self._snapshot()
+        wall, busy, server, own, steal = (b - a for a, b in zip(self._start, end))
+        if wall > 0:
+            self.server_cores, self.loadgen_cores = server / wall, own / wall
+            self.other_cores = max(0.0, busy - server - own) / wall
+            self.steal_cores = steal / wall
+
+    def to_json(self) -> dict:
+        return {"server_cores": self.server_cores, "loadgen_cores": self.loadgen_cores,
+                "other_cores": self.other_cores, "steal_cores": self.steal_cores}
+
+
+class ServerError(RuntimeError):
+    """A server did not start, did not answer in time, or died."""
+
+
+class ServerProcess:
+    """One running server (a context manager: started on enter, stopped on exit).
+
+    Its stdout and stderr go to `log_path`; errors quote the log's tail.
+    """
+
+    def __init__(self, spec: ServerSpec, model_dir: Path, log_path: Path,
+                 start_timeout: float = 600.0, stop_timeout: float = 30.0):
+        self.spec = spec
+        self.model_dir = model_dir
+        self.log_path = log_path
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.start_seconds: float | None = None
+        self.served_name: str | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "server not started"
+        return self.proc.pid
+
+    @property
+    def request_model(self) -> str | None:
+        return self.spec.request_model(self.model_dir, self.served_name)
+
+    def __enter__(self) -> ServerProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")  # the child keeps its own copy of the descriptor
+        argv = self.spec.argv(self.model_dir, self.port)
+        log.write(("$ " + " ".join(argv) + "\n").encode())
+        log.flush()
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     stdin=subprocess.DEVNULL)
+        log.close()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        self.start_seconds = time.perf_counter() - t0
+        if self.spec.kind == "seqgate":
+            self.served_name = self._served_name()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        url = self.base_url + self.spec.ready_path
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"{self.spec.label} exited with {self.proc.returncode} while "
+                                  f"starting; its log ends:\n{self.log_tail()}")
+            try:
+                if httpx.get(url, timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise ServerError(f"{self.spec.label} did not answer 200 on {url} within "
+                          f"{self.start_timeout:.0f}s; its log ends:\n{self.log_tail()}")
+
+    def _served_name(self) -> str | None:
+        data = httpx.get(self.base_url + "/v1/models", timeout=10.0).json()
+        models = data.get("data") or []
+        return models[0]["id"] if models else None
+
+    def stop(self) -> int | None:
+        """SIGTERM, then SIGKILL after `stop_timeout`; returns the exit code."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(self.stop_timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
+
+    def peak_rss(self) -> int:
+        return tree_peak_rss(self.pid)
+
+    def rss(self) -> int:
+        return tree_rss(self.pid)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"

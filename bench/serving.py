@@ -1,0 +1,317 @@
+"""Serving benchmark: seqgate against `transformers serve`, side by side, in one invocation.
+
+    python -m bench.serving [--quick] [--phases sweep,agreement,cache,splitting] [--repeats 2]
+                            [--sweep 1:16,8:48,32:96,64:128] [--servers seqgate,tf-serve,...]
+    make bench [BENCH_ARGS="..."]
+
+Every run starts its server on a free 127.0.0.1 port (bench/servers.py), warms it with two short
+requests, runs a closed loop of streamed greedy chats (bench/loadgen.py), reads its memory and
+stops it. Servers serve the same local SmolLM2 copy on the CPU: seqgate with its defaults,
+`transformers serve` without (tf-serve) and with --continuous-batching (tf-serve-cb).
+
+Phases:
+  sweep      ShareGPT requests (first human turn; first reply's tokens as max_tokens, capped;
+             prompts 4-1024 tokens) at each concurrency:requests pair; for each pair the servers
+             run in turn, `--repeats` times (A B C A B C): seqgate/peer ratios pair adjacent runs.
+  agreement  the first --agreement-prompts requests, non-streamed, on each server: same texts?
+  cache      the sweep's requests behind one shared ~430-token system prompt: seqgate with its
+             prompt cache on versus --prompt-cache-bytes 0, interleaved.
+  splitting  token-id prompts log-spaced over two orders of magnitude, exactly --split-new-tokens
+             each, at --split-load: seqgate with max_splits 1, and 3 with max_sparsity 0.05,
+             0.33 (the defaults), 1.0, interleaved; sub-batches per step from /metrics.
+Raw results go to bench/results/serving.json (rewritten after every run), the report to
+docs/benchmarks.md with PNG plots in docs/benchmarks/ (bench/report.py, bench/plots.py);
+--quick writes bench/results/serving-quick.json and bench/results/quick/benchmarks.md instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+from bench import provenance
+from bench.agreement import compare
+from bench.figures import summarize
+from bench.loadgen import run_closed_loop
+from bench.scrape import engine_activity, scrape
+from bench.servers import (
+    SEQGATE,
+    SWEEP_SERVERS,
+    CpuAccount,
+    RssSampler,
+    ServerProcess,
+    ServerSpec,
+    local_model_dir,
+)
+from bench.workloads import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    SYSTEM_PROMPT,
+    agreement_bodies,
+    for_server,
+    prompt_cache_bodies,
+    splitting_bodies,
+    splitting_prompts,
+    sweep_bodies,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+PHASES = ("sweep", "agreement", "cache", "splitting")
+QUICK = {"sweep": "2:4", "repeats": 1, "max_tokens": 16, "agreement_prompts": 4,
+         "cache_load": "2:4", "split_load": "4:8", "split_lengths": "10:300",
+         "split_new_tokens": 8, "split_configs": "1:0.33,3:0.33"}
+
+
+def load_pairs(text: str) -> list[tuple[int, int]]:
+    """"1:16,8:48" → [(1, 16), (8, 48)] (concurrency, requests)."""
+    pairs = []
+    for item in text.split(","):
+        conc, _, count = item.strip().partition(":")
+        pairs.append((int(conc), int(count or conc)))
+    return pairs
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a smoke run: " + json.dumps(QUICK))
+    ap.add_argument("--phases", default=",".join(PHASES))
+    ap.add_argument("--servers", default=",".join(SWEEP_SERVERS),
+                    help="sweep/agreement servers, seqgate first: " + ",".join(SWEEP_SERVERS))
+    ap.add_argument("--sweep", default="1:16,8:48,32:96,64:128", help="concurrency:requests,...")
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved runs per server and level")
+    ap.add_argument("--max-tokens", type=int, default=128, help="cap on each request's budget")
+    ap.add_argument("--min-prompt", type=int, default=4)
+    ap.add_argument("--max-prompt", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=0, help="ShareGPT shuffle seed")
+    ap.add_argument("--agreement-prompts", type=int, default=16)
+    ap.add_argument("--agreement-concurrency", type=int, default=1)
+    ap.add_argument("--cache-load", default="8:32", help="concurrency:requests")
+    ap.add_argument("--split-load", default="32:64", help="concurrency:requests")
+    ap.add_argument("--split-lengths", default="10:1000", help="shortest:longest prompt tokens")
+    ap.add_argument("--split-new-tokens", type=int, default=32)
+    ap.add_argument("--split-configs", default="1:0.33,3:0.05,3:0.33,3:1.0",
+                    help="max_splits:max_sparsity,... (max_sparsity is moot with max_splits 1)")
+    ap.add_argument("--seqgate-arg", action="append", default=[],
+                    help="extra flag for every seqgate server (repeatable, e.g. "
+                         "--seqgate-arg=--num-threads=1)")
+    ap.add_argument("--peer-arg", action="append", default=[],
+                    help="extra flag for every transformers serve (repeatable)")
+    ap.add_argument("--request-timeout", type=float, default=3600.0)
+    ap.add_argument("--model-dir", type=Path, default=None,
+                    help="model directory for all servers (default: seqgate's safetensors "
+                         "cache of the embedded SmolLM2)")
+    ap.add_argument("--out", type=Path, default=None, help="raw results JSON")
+    ap.add_argument("--doc", type=Path, default=None, help="markdown report (plots beside it)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            if ap.get_default(key) == getattr(args, key):
+                setattr(args, key, value)
+    args.out = args.out or RESULTS / ("serving-quick.json" if args.quick else "serving.json")
+    args.doc = args.doc or (RESULTS / "quick" / "benchmarks.md" if args.quick
+                            else DOCS / "benchmarks.md")
+    return args
+
+
+class Bench:
+    """One invocation: its arguments, the shared inputs, and the results as they accrue."""
+
+    def __init__(self, args: argparse.Namespace, argv: list[str] | None):
+        self.args = args
+        self.model_dir = args.model_dir or local_model_dir()
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.data = {"meta": {"command": provenance.command(argv), "started": provenance.now(),
+                              "machine": provenance.machine(), "versions": provenance.versions(),
+                              "model_dir": str(self.model_dir), "args": _jsonable(vars(args)),
+                              "phase_seconds": {}},
+                     "sweep": [], "agreement": {}, "cache": [], "splitting": []}
+        self.logs = RESULTS / "logs"
+
+    def spec(self, base: ServerSpec, *extra: str, label: str | None = None) -> ServerSpec:
+        own = self.args.seqgate_arg if base.kind == "seqgate" else self.args.peer_arg
+        return dataclasses.replace(base, label=label or base.label,
+                                   extra_args=base.extra_args + tuple(extra) + tuple(own))
+
+    def save(self) -> None:
+        self.args.out.parent.mkdir(parents=True, exist_ok=True)
+        self.args.out.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
+
+    # -- one run ---------------------------------------------------------------------------------
+    def measure(self, spec: ServerSpec, path: str, bodies: list[dict], concurrency: int,
+                **tags) -> dict:
+        """Start `spec`, warm it, run `bodies` in a closed loop, read memory and metrics, stop."""
+        log = self.logs / f"{spec.label.replace(' ', '_').replace(',', '')}.log"
+        with ServerProcess(spec, self.model_dir, log) as server:
+            self._warm_up(server)
+            info = _get_json(server.base_url + "/version") if spec.kind == "seqgate" else None
+            idle_rss = server.rss()
+            before = scrape(server.base_url) if spec.kind == "seqgate" else None
+            with RssSampler(server.pid) as sampler, CpuAccount(server.pid) as cpu:
+                results, wall = run_closed_loop(server.base_url, path,
+                                                for_server(bodies, server.request_model),
+                                                concurrency, self.args.request_timeout)
+            after = scrape(server.base_url) if spec.kind == "seqgate" else None
+            peak = server.peak_rss()
+            start_s = server.start_seconds
+        run = {**tags, "server": spec.label, "argv": spec.argv(self.model_dir, 0)[1:],
+               "concurrency": concurrency, "figures": summarize(results, wall),
+               "memory": {"peak_rss": peak, "idle_rss": idle_rss, "run_peak_rss": sampler.peak,
+                          "run_growth": sampler.peak - idle_rss},
+               "engine": engine_activity(before, after) if before is not None else None,
+               "cpu": cpu.to_json(), "server_info": info, "start_seconds": start_s,
+               "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+               "requests": [r.to_json() for r in results]}
+        f = run["figures"]
+        print(f"  {spec.label:<44} c={concurrency:<3} {f['completed']}/{f['requests']} ok, "
+              f"{f['output_tokens_per_s']:7.2f} tok/s, TTFT p50 {_s(f['ttft_p50'])}, "
+              f"TPOT p50 {_s(f['tpot_p50'])}, peak RSS {peak / 2**20:,.0f} MiB, "
+              f"{f['wall_seconds']:.1f}s (+{start_s:.1f}s start), other CPU load "
+              f"{cpu.other_cores:.2f} cores", flush=True)
+        return run
+
+    def _warm_up(self, server: ServerProcess) -> None:
+        """Two short requests, untimed: transformers serve sets up continuous batching on its
+        first request (about 10 s here), and every server pays first-call costs."""
+        body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4,
+                "temperature": 0, "stream": True}
+        results, _ = run_closed_loop(server.base_url, CHAT_PATH,
+                                     for_server([body, body], server.request_model), 1, 600.0)
+        errors = [r.error for r in results if not r.ok]
+        if errors:
+            raise RuntimeError(f"{server.spec.label}: warm-up failed: {errors[0]}\n"
+                               f"{server.log_tail()}")
+
+    # -- phases ----------------------------------------------------------------------------------
+    def requests(self, count: int):
+        from bench.sharegpt import load_requests
+
+        return load_requests(self.tokenizer, count, seed=self.args.seed,
+                             min_prompt=self.args.min_prompt, max_prompt=self.args.max_prompt,
+                             max_output=self.args.max_tokens)
+
+    def sweep_servers(self) -> list[ServerSpec]:
+        return [self.spec(SWEEP_SERVERS[name]) for name in self.args.servers.split(",")]
+
+    def run_sweep(self) -> None:
+        levels = load_pairs(self.args.sweep)
+        reqs = self.requests(max(n for _, n in levels))
+        for conc, n in levels:
+            print(f"[sweep] concurrency {conc}, {n} requests", flush=True)
+            for rep in range(self.args.repeats):
+                for spec in self.sweep_servers():
+                    self.data["sweep"].append(self.measure(spec, CHAT_PATH, sweep_bodies(reqs[:n]),
+                                                           conc, phase="sweep", repeat=rep))
+                    self.save()
+
+    def run_agreement(self) -> None:
+        reqs = self.requests(self.args.agreement_prompts)
+        print(f"[agreement] {len(reqs)} prompts, non-streamed greedy", flush=True)
+        outputs, section = {}, self.data["agreement"]
+        for spec in self.sweep_servers():
+            log = self.logs / f"agreement-{spec.label}.log"
+            bodies = agreement_bodies(reqs, top_logprobs=spec.kind == "seqgate")
+            with ServerProcess(spec, self.model_dir, log) as server:
+                self._warm_up(server)
+                outputs[spec.label], _ = run_closed_loop(
+                    server.base_url, CHAT_PATH, for_server(bodies, server.request_model),
+                    self.args.agreement_concurrency, self.args.request_timeout, keep_text=True)
+            section.setdefault("outputs", {})[spec.label] = [
+                r.to_json(keep_text=True) for r in outputs[spec.label]]
+        ours = outputs.get(SEQGATE.label)
+        for label, theirs in outputs.items():
+            if ours is not None and label != SEQGATE.label:
+                section.setdefault("comparisons", {})[label] = compare(ours, theirs,
+                                                                      self.tokenizer)
+                c = section["comparisons"][label]
+                print(f"  seqgate vs {label}: {c['matches']}/{c['prompts']} identical", flush=True)
+        self.save()
+
+    def run_cache(self) -> None:
+        conc, n = load_pairs(self.args.cache_load)[0]
+        reqs = self.requests(n)
+        self.data["meta"]["system_prompt_tokens"] = len(self.tokenizer.encode(SYSTEM_PROMPT))
+        specs = [self.spec(SEQGATE, label="seqgate cache on"),
+                 self.spec(SEQGATE, "--prompt-cache-bytes", "0", label="seqgate cache off")]
+        print(f"[cache] concurrency {conc}, {n} requests behind one system prompt", flush=True)
+        for rep in range(self.args.repeats):
+            for spec in specs:
+                self.data["cache"].append(self.measure(spec, CHAT_PATH, prompt_cache_bodies(reqs),
+                                                       conc, phase="cache", repeat=rep))
+                self.save()
+
+    def run_splitting(self) -> None:
+        conc, n = load_pairs(self.args.split_load)[0]
+        lo, _, hi = self.args.split_lengths.partition(":")
+        prompts = splitting_prompts(self.tokenizer, n, int(lo), int(hi), self.args.seed)
+        self.data["meta"]["splitting_prompt_lengths"] = [len(p) for p in prompts]
+        bodies = splitting_bodies(prompts, self.args.split_new_tokens)
+        configs = [(int(a), float(b)) for a, _, b in
+                   (c.strip().partition(":") for c in self.args.split_configs.split(","))]
+        print(f"[splitting] concurrency {conc}, {n} prompts of {lo}-{hi} tokens", flush=True)
+        for rep in range(self.args.repeats):
+            for splits, sparsity in configs:
+                label = split_label(splits, sparsity)
+                spec = self.spec(SEQGATE, "--max-splits", str(splits), "--max-sparsity",
+                                 str(sparsity), label=f"seqgate {label}")
+                run = self.measure(spec, COMPLETIONS_PATH, bodies, conc, phase="splitting",
+                                   repeat=rep, config=label, max_splits=splits,
+                                   max_sparsity=sparsity)
+                self.data["splitting"].append(run)
+                self.save()
+
+
+def split_label(max_splits: int, max_sparsity: float) -> str:
+    if max_splits == 1:
+        return "max_splits=1"
+    label = f"max_splits={max_splits}, max_sparsity={max_sparsity:g}"
+    return label + " (defaults)" if (max_splits, max_sparsity) == (3, 0.33) else label
+
+
+def _get_json(url: str) -> dict | None:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=10.0).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.3f}s"
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    bench = Bench(args, argv)
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    unknown = set(phases) - set(PHASES)
+    if unknown:
+        raise SystemExit(f"unknown phase(s) {sorted(unknown)}; choose from {PHASES}")
+    print(f"model {bench.model_dir}\nresults {args.out}\nreport {args.doc}", flush=True)
+    try:
+        for phase in phases:
+            t0 = time.perf_counter()
+            getattr(bench, f"run_{phase}")()
+            bench.data["meta"]["phase_seconds"][phase] = time.perf_counter() - t0
+    finally:
+        bench.data["meta"]["finished"] = provenance.now()
+        bench.save()
+        from bench.report import write_report
+
+        print(f"wrote {args.out} and {write_report(bench.data, args.doc)}")
+
+
+if __name__ == "__main__":
+    main()
