@@ -1,6 +1,6 @@
 PYTHON ?= .venv/bin/python
 
-.PHONY: fuzz openapi openapi-check
+.PHONY: fuzz openapi openapi-check bench
 
 # Schemathesis against a live server with the real model, with a larger budget than the test
 # suite's and the coverage phase on (boundary values, wrong types, unsupported methods).
@@ -16,3 +16,12 @@ openapi:
 openapi-check:
 	$(PYTHON) -m openapi.generate --check
 	$(PYTHON) -m openapi.validate
+
+# Serving benchmark: seqgate vs transformers serve (with and without continuous batching), the
+# prompt-cache and splitting scenarios, greedy agreement; writes bench/results/serving.json and
+# docs/benchmarks.md (+ docs/benchmarks/*.png). Takes well over an hour on 2 cores.
+# BENCH_ARGS=--quick for a smoke run (a few minutes, report in bench/results/quick/).
+BENCH_ARGS ?=
+bench:
+	bash scripts/install.sh dev,bench
+	$(PYTHON) -m bench.serving $(BENCH_ARGS)

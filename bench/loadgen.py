@@ -108,10 +108,12 @@ def _margins(choice: dict) -> list[tuple[str, str, float]] | None:
         return None
     out = []
     for item in content:
-        top = sorted(item.get("top_logprobs") or [], key=lambda t: -t["logprob"])
-        if len(top) < 2:
+        key = item.get("bytes") or item["token"]
+        alts = [t for t in item.get("top_logprobs") or [] if (t.get("bytes") or t["token"]) != key]
+        if not alts:
             return None
-        out.append((item["token"], top[1]["token"], top[0]["logprob"] - top[1]["logprob"]))
+        best = max(alts, key=lambda t: t["logprob"])
+        out.append((item["token"], best["token"], item["logprob"] - best["logprob"]))
     return out
 
 

@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
 def _ecdf(values: Sequence[float]) -> tuple[list[float], list[float]]:
     xs = sorted(values)
-    return xs, [(i + 1) / len(xs) for i in range(len(xs))]
+    return [xs[0], *xs], [0.0, *((i + 1) / len(xs) for i in range(len(xs)))]
 
 
 def _ttfts(runs: Sequence[dict]) -> list[float]:
@@ -25,6 +25,7 @@ def throughput(groups: dict[tuple[str, int], list[dict]], path: Path) -> Path:
     """Output tokens/s against concurrency, one line per server (mean over repeats, bars from the
     slowest to the fastest repeat)."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    top = 0.0
     for server in dict.fromkeys(s for s, _ in groups):
         levels = sorted(c for s, c in groups if s == server)
         values = [[run["figures"]["output_tokens_per_s"] for run in groups[server, c]]
@@ -33,9 +34,13 @@ def throughput(groups: dict[tuple[str, int], list[dict]], path: Path) -> Path:
         err = [[m - min(v) for m, v in zip(means, values)],
                [max(v) - m for m, v in zip(means, values)]]
         ax.errorbar(levels, means, yerr=err, marker="o", capsize=3, label=server)
+        top = max(top, *(max(v) for v in values))
     ax.set_xscale("log", base=2)
+    all_levels = sorted({c for _, c in groups})
+    ax.set_xticks(all_levels, [str(c) for c in all_levels])
     ax.set_xlabel("concurrency (requests in flight)")
     ax.set_ylabel("output tokens/s")
+    ax.set_ylim(0, top * 1.15 or 1.0)
     ax.set_title("Throughput vs concurrency (ShareGPT, greedy, streamed)")
     ax.grid(True, alpha=0.3)
     ax.legend()

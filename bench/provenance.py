@@ -35,7 +35,7 @@ def machine() -> dict:
         "logical_cpus": os.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "os": platform.platform(),
-        "load_avg_1m_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "load_avg_1m_at_start": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
 
 

@@ -34,6 +34,10 @@ PEER_NOTES = """\
   here; the warm-up requests absorb it), shares that request's sampling settings with every later
   one (all greedy here), and sizes its paged KV cache from the free memory: on the CPU its resident
   memory reaches several GiB whatever the load.
+- Its `--dtype auto` runs the weights' dtype (fp32 here), while seqgate's `auto` may pick bf16
+  on a CPU with AMX: the sweep compares the two defaults (the header says which dtypes ran). To
+  compare at one precision add `BENCH_ARGS="--peer-arg=--dtype=bfloat16"` or
+  `"--seqgate-arg=--dtype=fp32"`; the agreement phase runs seqgate in fp32 as well.
 - Both run with their default torch thread count (all cores); seqgate chooses its own
   (`option.num_threads`). The load generator runs on the same machine as the server.
 """
@@ -179,11 +183,15 @@ def agreement_section(section: dict) -> list[str]:
     comparisons = section.get("comparisons") or {}
     if not comparisons:
         return []
+    dtypes = section.get("dtypes") or {}
     lines = ["## Greedy agreement", "",
              "Non-streamed greedy chats, same prompts and max_tokens on both sides; texts "
-             "compared exactly.", ""]
-    for peer, c in comparisons.items():
-        lines.append(f"- seqgate vs {peer}: **{c['matches']}/{c['prompts']}** identical.")
+             "compared exactly. seqgate runs once per dtype; the peers run the weights' dtype.",
+             ""]
+    for pair, c in comparisons.items():
+        ours, _, peer = pair.partition(" vs ")
+        lines.append(f"- {ours} ({dtypes.get(ours, '?')}) vs {peer} ({dtypes.get(peer, '?')}): "
+                     f"**{c['matches']}/{c['prompts']}** identical.")
     lines.append("")
     diffs = [[peer, str(r["index"]), str(r.get("first_diff_char", "-")),
               str(r.get("first_diff_token", "-")), f"{r['ours_tokens']}/{r['theirs_tokens']}",
@@ -194,7 +202,7 @@ def agreement_section(section: dict) -> list[str]:
         lines += ["Differences: the first differing character and token, seqgate's chosen token "
                   "there against its runner-up with their logprob gap (a gap of a few hundredths "
                   "is a near tie that rounding differences can tip), and the text around it.", "",
-                  markdown_table(["peer", "prompt", "char", "token", "tokens (ours/theirs)",
+                  markdown_table(["pair", "prompt", "char", "token", "tokens (ours/theirs)",
                                   "seqgate's choice / runner-up (gap)", "seqgate", "peer"],
                                  diffs), ""]
     return lines
@@ -267,8 +275,10 @@ def render(data: dict, doc: Path) -> str:
         f"average at start {m['load_avg_1m_at_start']}",
         f"- Versions: seqgate {v.get('seqgate')} at {sha}, torch {v['torch']}, transformers "
         f"{v['transformers']}, Python {v['python']}",
-        f"- Model: SmolLM2-135M-Instruct, fp32 on the CPU, the same local copy for every "
-        f"server (`{meta['model_dir']}`)",
+        f"- Model: SmolLM2-135M-Instruct on the CPU, the same local copy "
+        f"(`{meta['model_dir']}`, {meta.get('weights_dtype', '?')} weights) for every server; "
+        f"dtype: seqgate {_seqgate_dtype(data)} (its default), transformers serve "
+        f"{_peer_dtype(meta)}",
         "- Workload: ShareGPT V3 first human turns (prompts 4–1024 tokens with the chat "
         "template), max_tokens = the first reply's token count capped at "
         f"{meta['args']['max_tokens']}, greedy, streamed chat completions, closed loop, seed "
@@ -278,9 +288,39 @@ def render(data: dict, doc: Path) -> str:
     head += _contention(data)
     if meta["args"].get("quick"):
         head += ["**A --quick smoke run: too few requests for the numbers to mean anything.**", ""]
+    failures = [f"- {f['phase']}: {f['server']}"
+                f"{' at concurrency ' + str(f['concurrency']) if 'concurrency' in f else ''}: "
+                f"{_first_last(f['error'])}" for f in data.get("failures", [])]
+    if failures:
+        failures = ["## Runs that failed", "", *failures, ""]
     return "\n".join(head + targets_section(ratios, speedup, split) + sweep_lines + cache_lines
-                     + split_lines + agreement_section(data["agreement"])
+                     + split_lines + agreement_section(data["agreement"]) + failures
                      + ["## Notes on the peer", "", PEER_NOTES])
+
+
+def _first_last(text: str) -> str:
+    """An error's first line and, for a multi-line one (a server log's tail), its last."""
+    lines = text.strip().splitlines() or [""]
+    return lines[0] + (f" … `{lines[-1].strip()}`" if len(lines) > 1 else "")
+
+
+def _seqgate_dtype(data: dict) -> str:
+    for key in ("sweep", "cache", "splitting"):
+        for run in data[key]:
+            if run.get("server_info"):
+                return run["server_info"].get("dtype") or "?"
+    return (data["agreement"].get("dtypes") or {}).get("seqgate", "?")
+
+
+def _peer_dtype(meta: dict) -> str:
+    """The peer's dtype: `auto` takes the weights' unless --peer-arg set --dtype."""
+    args = meta["args"].get("peer_arg") or []
+    for i, a in enumerate(args):
+        if a.startswith("--dtype="):
+            return a.split("=", 1)[1]
+        if a == "--dtype" and i + 1 < len(args):
+            return args[i + 1]
+    return f"{meta.get('weights_dtype', '?')} (auto: the weights' dtype)"
 
 
 def _contention(data: dict) -> list[str]:

@@ -13,7 +13,8 @@ Phases:
   sweep      ShareGPT requests (first human turn; first reply's tokens as max_tokens, capped;
              prompts 4-1024 tokens) at each concurrency:requests pair; for each pair the servers
              run in turn, `--repeats` times (A B C A B C): seqgate/peer ratios pair adjacent runs.
-  agreement  the first --agreement-prompts requests, non-streamed, on each server: same texts?
+  agreement  the first --agreement-prompts requests, non-streamed: seqgate at each of
+             --agreement-dtypes against each peer; same texts? where not, where they part.
   cache      the sweep's requests behind one shared ~430-token system prompt: seqgate with its
              prompt cache on versus --prompt-cache-bytes 0, interleaved.
   splitting  token-id prompts log-spaced over two orders of magnitude, exactly --split-new-tokens
@@ -33,6 +34,9 @@ import os
 import time
 from pathlib import Path
 
+import httpx
+from transformers import AutoTokenizer
+
 from bench import provenance
 from bench.agreement import compare
 from bench.figures import summarize
@@ -43,6 +47,7 @@ from bench.servers import (
     SWEEP_SERVERS,
     CpuAccount,
     RssSampler,
+    ServerError,
     ServerProcess,
     ServerSpec,
     local_model_dir,
@@ -85,12 +90,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="sweep/agreement servers, seqgate first: " + ",".join(SWEEP_SERVERS))
     ap.add_argument("--sweep", default="1:16,8:48,32:96,64:128", help="concurrency:requests,...")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved runs per server and level")
+    ap.add_argument("--skip", action="append", default=[], metavar="SERVER@CONCURRENCY",
+                    help="leave out one sweep cell (repeatable), e.g. tf-serve@64: without "
+                         "continuous batching the peer serves one request at a time, so its high "
+                         "levels only queue (and take most of the sweep's time)")
     ap.add_argument("--max-tokens", type=int, default=128, help="cap on each request's budget")
     ap.add_argument("--min-prompt", type=int, default=4)
     ap.add_argument("--max-prompt", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0, help="ShareGPT shuffle seed")
     ap.add_argument("--agreement-prompts", type=int, default=16)
     ap.add_argument("--agreement-concurrency", type=int, default=1)
+    ap.add_argument("--agreement-dtypes", default="fp32,auto",
+                    help="seqgate --dtype values to compare with the peers (the peers run the "
+                         "weights' dtype, fp32; seqgate's auto may pick bf16)")
     ap.add_argument("--cache-load", default="8:32", help="concurrency:requests")
     ap.add_argument("--split-load", default="32:64", help="concurrency:requests")
     ap.add_argument("--split-lengths", default="10:1000", help="shortest:longest prompt tokens")
@@ -119,20 +131,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+class WarmUpError(RuntimeError):
+    """A server started but failed its warm-up requests."""
+
+
 class Bench:
     """One invocation: its arguments, the shared inputs, and the results as they accrue."""
 
     def __init__(self, args: argparse.Namespace, argv: list[str] | None):
         self.args = args
         self.model_dir = args.model_dir or local_model_dir()
-        from transformers import AutoTokenizer
-
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        config = json.loads((self.model_dir / "config.json").read_text())
+        self.weights_dtype = config.get("dtype") or config.get("torch_dtype") or "?"
         self.data = {"meta": {"command": provenance.command(argv), "started": provenance.now(),
                               "machine": provenance.machine(), "versions": provenance.versions(),
-                              "model_dir": str(self.model_dir), "args": _jsonable(vars(args)),
+                              "model_dir": str(self.model_dir),
+                              "weights_dtype": self.weights_dtype,
+                              "args": _jsonable(vars(args)),
                               "phase_seconds": {}},
-                     "sweep": [], "agreement": {}, "cache": [], "splitting": []}
+                     "sweep": [], "agreement": {}, "cache": [], "splitting": [], "failures": []}
         self.logs = RESULTS / "logs"
 
     def spec(self, base: ServerSpec, *extra: str, label: str | None = None) -> ServerSpec:
@@ -177,6 +195,22 @@ class Bench:
               f"{cpu.other_cores:.2f} cores", flush=True)
         return run
 
+    def record(self, phase: str, spec: ServerSpec, path: str, bodies: list[dict],
+               concurrency: int, **tags) -> None:
+        """measure() into data[phase]; a server that fails to start or warm up is noted in
+        data["failures"] and the invocation goes on."""
+        try:
+            self.data[phase].append(self.measure(spec, path, bodies, concurrency, phase=phase,
+                                                 **tags))
+        except (ServerError, WarmUpError, httpx.HTTPError) as exc:
+            self.fail(phase, spec, exc, concurrency=concurrency, **tags)
+        self.save()
+
+    def fail(self, phase: str, spec: ServerSpec, exc: Exception, **tags) -> None:
+        print(f"  {spec.label}: FAILED: {exc}", flush=True)
+        self.data["failures"].append({"phase": phase, "server": spec.label, **tags,
+                                      "error": str(exc)})
+
     def _warm_up(self, server: ServerProcess) -> None:
         """Two short requests, untimed: transformers serve sets up continuous batching on its
         first request (about 10 s here), and every server pays first-call costs."""
@@ -186,8 +220,8 @@ class Bench:
                                      for_server([body, body], server.request_model), 1, 600.0)
         errors = [r.error for r in results if not r.ok]
         if errors:
-            raise RuntimeError(f"{server.spec.label}: warm-up failed: {errors[0]}\n"
-                               f"{server.log_tail()}")
+            raise WarmUpError(f"{server.spec.label}: warm-up failed: {errors[0]}\n"
+                              f"{server.log_tail()}")
 
     # -- phases ----------------------------------------------------------------------------------
     def requests(self, count: int):
@@ -207,31 +241,47 @@ class Bench:
             print(f"[sweep] concurrency {conc}, {n} requests", flush=True)
             for rep in range(self.args.repeats):
                 for spec in self.sweep_servers():
-                    self.data["sweep"].append(self.measure(spec, CHAT_PATH, sweep_bodies(reqs[:n]),
-                                                           conc, phase="sweep", repeat=rep))
-                    self.save()
+                    if f"{spec.label}@{conc}" in self.args.skip:
+                        continue
+                    self.record("sweep", spec, CHAT_PATH, sweep_bodies(reqs[:n]), conc,
+                                repeat=rep)
 
     def run_agreement(self) -> None:
         reqs = self.requests(self.args.agreement_prompts)
         print(f"[agreement] {len(reqs)} prompts, non-streamed greedy", flush=True)
+        ours = [self.spec(SEQGATE, *(("--dtype", d) if d != "auto" else ()),
+                          label="seqgate" if d == "auto" else f"seqgate --dtype {d}")
+                for d in self.args.agreement_dtypes.split(",")]
+        peers = [s for s in self.sweep_servers() if s.kind != "seqgate"]
         outputs, section = {}, self.data["agreement"]
-        for spec in self.sweep_servers():
-            log = self.logs / f"agreement-{spec.label}.log"
+        section.update(outputs={}, dtypes={}, comparisons={})
+        for spec in ours + peers:
+            log = self.logs / f"agreement-{spec.label.replace(' ', '_')}.log"
             bodies = agreement_bodies(reqs, top_logprobs=spec.kind == "seqgate")
-            with ServerProcess(spec, self.model_dir, log) as server:
-                self._warm_up(server)
-                outputs[spec.label], _ = run_closed_loop(
-                    server.base_url, CHAT_PATH, for_server(bodies, server.request_model),
-                    self.args.agreement_concurrency, self.args.request_timeout, keep_text=True)
-            section.setdefault("outputs", {})[spec.label] = [
-                r.to_json(keep_text=True) for r in outputs[spec.label]]
-        ours = outputs.get(SEQGATE.label)
-        for label, theirs in outputs.items():
-            if ours is not None and label != SEQGATE.label:
-                section.setdefault("comparisons", {})[label] = compare(ours, theirs,
-                                                                      self.tokenizer)
-                c = section["comparisons"][label]
-                print(f"  seqgate vs {label}: {c['matches']}/{c['prompts']} identical", flush=True)
+            try:
+                with ServerProcess(spec, self.model_dir, log) as server:
+                    self._warm_up(server)
+                    info = (_get_json(server.base_url + "/version")
+                            if spec.kind == "seqgate" else {})
+                    section["dtypes"][spec.label] = ((info or {}).get("dtype")
+                                                     or self.weights_dtype)
+                    outputs[spec.label], _ = run_closed_loop(
+                        server.base_url, CHAT_PATH, for_server(bodies, server.request_model),
+                        self.args.agreement_concurrency, self.args.request_timeout,
+                        keep_text=True)
+            except (ServerError, WarmUpError, httpx.HTTPError) as exc:
+                self.fail("agreement", spec, exc)
+                continue
+            section["outputs"][spec.label] = [r.to_json(keep_text=True)
+                                              for r in outputs[spec.label]]
+            self.save()
+        for a in (s for s in ours if s.label in outputs):
+            for b in (s for s in peers if s.label in outputs):
+                c = compare(outputs[a.label], outputs[b.label], self.tokenizer)
+                section["comparisons"][f"{a.label} vs {b.label}"] = c
+                print(f"  {a.label} ({section['dtypes'][a.label]}) vs {b.label} "
+                      f"({section['dtypes'][b.label]}): {c['matches']}/{c['prompts']} identical",
+                      flush=True)
         self.save()
 
     def run_cache(self) -> None:
@@ -243,9 +293,8 @@ class Bench:
         print(f"[cache] concurrency {conc}, {n} requests behind one system prompt", flush=True)
         for rep in range(self.args.repeats):
             for spec in specs:
-                self.data["cache"].append(self.measure(spec, CHAT_PATH, prompt_cache_bodies(reqs),
-                                                       conc, phase="cache", repeat=rep))
-                self.save()
+                self.record("cache", spec, CHAT_PATH, prompt_cache_bodies(reqs), conc,
+                            repeat=rep)
 
     def run_splitting(self) -> None:
         conc, n = load_pairs(self.args.split_load)[0]
@@ -261,11 +310,8 @@ class Bench:
                 label = split_label(splits, sparsity)
                 spec = self.spec(SEQGATE, "--max-splits", str(splits), "--max-sparsity",
                                  str(sparsity), label=f"seqgate {label}")
-                run = self.measure(spec, COMPLETIONS_PATH, bodies, conc, phase="splitting",
-                                   repeat=rep, config=label, max_splits=splits,
-                                   max_sparsity=sparsity)
-                self.data["splitting"].append(run)
-                self.save()
+                self.record("splitting", spec, COMPLETIONS_PATH, bodies, conc, repeat=rep,
+                            config=label, max_splits=splits, max_sparsity=sparsity)
 
 
 def split_label(max_splits: int, max_sparsity: float) -> str:
@@ -276,8 +322,6 @@ def split_label(max_splits: int, max_sparsity: float) -> str:
 
 
 def _get_json(url: str) -> dict | None:
-    import httpx
-
     try:
         return httpx.get(url, timeout=10.0).json()
     except (httpx.HTTPError, ValueError):

@@ -82,3 +82,16 @@ def test_sharegpt_parser_stops_at_the_broken_tail():
     text = '[{"id": 1}, {"id": 2} ,\n {"id": 3, "conversations": [{"from": "hu'
     assert [c["id"] for c in iter_complete(text)] == [1, 2]
     assert list(iter_complete("[]")) == []
+
+
+def test_margins_compare_the_choice_with_the_best_other_token():
+    from bench.loadgen import _margins
+
+    tie = {"token": " I", "logprob": -2.0, "bytes": [32, 73], "top_logprobs": [
+        {"token": " What", "logprob": -2.0, "bytes": [32, 87, 104, 97, 116]},
+        {"token": " I", "logprob": -2.0, "bytes": [32, 73]}]}
+    clear = {"token": "A", "logprob": -0.1, "top_logprobs": [
+        {"token": "A", "logprob": -0.1}, {"token": "B", "logprob": -2.6}]}
+    assert _margins({"logprobs": {"content": [tie, clear]}}) == [(" I", " What", 0.0),
+                                                                  ("A", "B", 2.5)]
+    assert _margins({"logprobs": None}) is None

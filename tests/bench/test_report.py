@@ -1,0 +1,44 @@
+"""The report renders from raw results: tables, ratios, targets and plots (synthetic runs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.figures import RequestResult, summarize
+
+pytest.importorskip("matplotlib")
+
+
+def _run(server: str, conc: int, repeat: int, tps_scale: float, **extra) -> dict:
+    reqs = [RequestResult(i, 0.0, 0.1 * (i + 1) / tps_scale, 2.0 / tps_scale, output_tokens=20)
+            for i in range(4)]
+    return {"phase": "sweep", "server": server, "concurrency": conc, "repeat": repeat,
+            "figures": summarize(reqs, 2.0 / tps_scale),
+            "memory": {"peak_rss": 2**30, "idle_rss": 2**29, "run_peak_rss": 2**29 + 2**20,
+                       "run_growth": 2**20},
+            "cpu": {"other_cores": 0.0}, "engine": None, "server_info": {"dtype": "float32"},
+            "requests": [r.to_json() for r in reqs], **extra}
+
+
+def test_report_renders_tables_ratios_and_targets(tmp_path):
+    from bench.report import write_report
+
+    sweep = [_run(s, c, rep, scale) for c in (1, 32) for rep in (0, 1)
+             for s, scale in (("seqgate", 3.0), ("tf-serve-cb", 1.0))]
+    data = {
+        "meta": {"command": "python -m bench.serving", "started": "t0", "finished": "t1",
+                 "machine": {"cpu": "cpu", "cores_available": 2, "logical_cpus": 2,
+                             "memory_gib": 8, "load_avg_1m_at_start": 0.1},
+                 "versions": {"seqgate": "0.1.0", "seqgate_git_sha": "abc", "torch": "2",
+                              "transformers": "5", "python": "3.11"},
+                 "model_dir": "/m", "weights_dtype": "float32",
+                 "args": {"max_tokens": 128, "seed": 0, "quick": False, "peer_arg": []},
+                 "phase_seconds": {"sweep": 60.0}},
+        "sweep": sweep, "agreement": {}, "cache": [], "splitting": [], "failures": [],
+    }
+    doc = write_report(data, tmp_path / "benchmarks.md")
+    text = doc.read_text()
+    assert "| c=32 output tok/s vs tf-serve-cb | 3" in text
+    assert "| tf-serve-cb | 32          | 3× (3–3)" in text
+    assert (tmp_path / "benchmarks" / "throughput.png").stat().st_size > 0
+    assert "![throughput vs concurrency](benchmarks/throughput.png)" in text
