@@ -19,16 +19,19 @@ class ConfigError(ValueError):
 
 
 def default_num_threads() -> int:
-    """Intra-op threads for the engine.
+    """Intra-op threads for the engine: every core of a small machine, one spare on a larger one.
 
-    torch's intra-op threads spin while waiting for each other; on a small CPU shared with the HTTP
-    loop, a full-width pool is slower than one thread short of it
-    (DESIGN.md, "Threads on a small CPU").
+    DESIGN.md warns that torch's threads spin while they wait, so a pool as wide as the machine can
+    lose to one thread when another busy thread shares the cores. Measured under the serving
+    benchmark here (2 cores, the load generator on the same machine, 64-token ShareGPT replies):
+    2 threads gave 27.6 vs 19.1 output tokens/s at concurrency 1 and 130.6 vs 87.5 at 32, so on
+    small machines the engine takes them all; the HTTP loop's work between steps is small.
     """
-    cores = (
-        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    )
-    return max(1, cores - 1) if cores <= 4 else cores - 2
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count() or 1
+    return cores if cores <= 4 else cores - 1
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class EngineConfig:
     decoding_strategy: str = "greedy"
     # Run all sub-batches in one forward call with attention split per sub-batch (models using
     # transformers' attention interface); off: one forward per sub-batch.
-    fuse_sub_batches: bool = False
+    fuse_sub_batches: bool = True
     # Prompt cache (system-prompt prefix KV), bounded in bytes; 0 disables it.
     prompt_cache_bytes: int = 512 * 1024 * 1024
     # Smallest prefix (tokens) worth caching.
