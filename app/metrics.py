@@ -36,6 +36,10 @@ class _EngineCollector(Collector):
                                 value=s.running)
         yield GaugeMetricFamily("seqgate_prompt_cache_bytes", "Bytes held by the prompt cache",
                                 value=s.prefix_cache_bytes)
+        yield GaugeMetricFamily("seqgate_kv_cache_bytes", "Bytes held by the rolling batch's KV "
+                                "(padding and preallocated columns included)", value=s.kv_bytes)
+        yield GaugeMetricFamily("seqgate_kv_cache_peak_bytes", "Most bytes the rolling batch's KV "
+                                "held after any step since start", value=s.peak_kv_bytes)
         counters = (
             ("seqgate_engine_steps", "Engine steps run", s.steps),
             ("seqgate_prompt_tokens", "Prompt tokens submitted to the engine", s.prompt_tokens),

@@ -96,6 +96,8 @@ class EngineStats:
     cache_hits: int = 0
     cached_tokens: int = 0
     prefix_cache_bytes: int = 0
+    kv_bytes: int = 0  # held by the rolling batch's slabs after the last step
+    peak_kv_bytes: int = 0  # the most they held after any step
     finished_by_reason: Counter = field(default_factory=Counter)
 
 
@@ -404,6 +406,8 @@ class Engine:
         )
         self._stats.steps = plan.step
         self._stats.last_step = stats
+        self._stats.kv_bytes = stats.kv_bytes
+        self._stats.peak_kv_bytes = max(self._stats.peak_kv_bytes, stats.kv_bytes)
         for fn in self._listeners:
             try:
                 fn(stats)

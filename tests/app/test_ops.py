@@ -39,8 +39,12 @@ def test_metrics_cover_requests_engine_and_latency(http):
                  "seqgate_step_sparsity_bucket", "seqgate_prompt_cache_hits_total",
                  "seqgate_prompt_cache_cached_tokens_total", "seqgate_prompt_tokens_total",
                  "seqgate_generated_tokens_total", "seqgate_time_to_first_token_seconds_bucket",
-                 "seqgate_time_per_output_token_seconds_bucket"):
+                 "seqgate_time_per_output_token_seconds_bucket", "seqgate_kv_cache_bytes",
+                 "seqgate_kv_cache_peak_bytes"):
         assert name in text, name
+    lines = text.splitlines()
+    peak = next(line for line in lines if line.startswith("seqgate_kv_cache_peak_bytes"))
+    assert float(peak.split()[-1]) > 0  # the streamed request ran in the batch
     assert 'route="/v1/chat/completions",status="400"' in text
     assert 'route="/v1/chat/completions",status="200"' in text
 
