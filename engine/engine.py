@@ -290,6 +290,8 @@ class Engine:
                         s.generator.manual_seed(job.params.seed + s.index)
                 self.decoder.choose(job.seqs, first, [result.cache] * len(job.seqs))
                 job.first_token_at = time.perf_counter()
+                # The first token goes out now, not after the other prefills and the decode.
+                self._publish({job.job_id: job})
                 row = row_from_cache(result.cache)
                 for s in job.seqs:
                     if not s.status.finished:
