@@ -34,8 +34,9 @@ PEER_NOTES = """\
   here; the warm-up requests absorb it), shares that request's sampling settings with every later
   one (all greedy here), and sizes its paged KV cache from the free memory: on the CPU its resident
   memory reaches several GiB whatever the load.
-- Its `--dtype auto` runs the weights' dtype (fp32 here), while seqgate's `auto` may pick bf16
-  on a CPU with AMX: the sweep compares the two defaults (the header says which dtypes ran). To
+- Its `--dtype auto` runs the weights' dtype (fp32 here), while seqgate's `auto` picks bf16 on
+  a CPU with bf16 in hardware (AMX or AVX512-BF16): the sweep compares the two defaults (the
+  header says which dtypes ran). To
   compare at one precision add `BENCH_ARGS="--peer-arg=--dtype=bfloat16"` or
   `"--seqgate-arg=--dtype=fp32"`; the agreement phase runs seqgate in fp32 as well.
 - Both run with their default torch thread count (all cores); seqgate chooses its own

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, ModelLoadError, load_model
-from engine.loader import cpu_has_amx, embedded_model_path, resolve_dtype
+from engine.loader import cpu_has_native_bf16, embedded_model_path, resolve_dtype
 
 
 def test_embedded_model_second_load_reads_the_safetensors_cache(smollm2):
@@ -41,7 +41,7 @@ def test_half_precision_on_cpu_falls_back_with_a_log_line(caplog):
     assert "fp16" in caplog.text
     assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
     assert resolve_dtype("fp32", torch.device("cpu")) == torch.float32
-    auto = torch.bfloat16 if cpu_has_amx() else torch.float32
+    auto = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     assert resolve_dtype("auto", torch.device("cpu")) == auto
 
 
