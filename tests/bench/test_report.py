@@ -42,3 +42,38 @@ def test_report_renders_tables_ratios_and_targets(tmp_path):
     assert "| tf-serve-cb | 32          | 3× (3–3)" in text
     assert (tmp_path / "benchmarks" / "throughput.png").stat().st_size > 0
     assert "![throughput vs concurrency](benchmarks/throughput.png)" in text
+
+
+def _split_run(config: str, splits: int, tps_scale: float, peak_kv: float, growth: int) -> dict:
+    run = _run(f"seqgate {config}", 32, 0, tps_scale, config=config, max_splits=splits)
+    run["phase"] = "splitting"
+    run["memory"]["run_growth"] = growth
+    hist = {"count": 10.0, "sum": 10.0 * splits, "mean": float(splits), "buckets": {},
+            "max_le": float(splits)}
+    run["engine"] = {"sub_batches_per_step": hist, "sparsity_per_step": hist,
+                     "kv_gauges": {"seqgate_kv_cache_peak_bytes": peak_kv}}
+    return run
+
+
+def test_splitting_target_uses_the_engines_peak_kv(tmp_path):
+    from bench.report import render
+
+    defaults = "max_splits=3, max_sparsity=0.33 (defaults)"
+    data = {
+        "meta": {"command": "c", "started": "t0", "finished": "t1",
+                 "machine": {"cpu": "cpu", "cores_available": 2, "logical_cpus": 2,
+                             "memory_gib": 8, "load_avg_1m_at_start": 0.1},
+                 "versions": {"seqgate": "0.1.0", "seqgate_git_sha": "abc", "torch": "2",
+                              "transformers": "5", "python": "3.11"},
+                 "model_dir": "/m", "weights_dtype": "float32", "splitting_prompt_lengths": [10],
+                 "args": {"max_tokens": 128, "seed": 0, "quick": False, "peer_arg": []},
+                 "phase_seconds": {"splitting": 60.0}},
+        "sweep": [], "agreement": {}, "cache": [], "failures": [],
+        # RSS growth says the opposite of the KV gauge: the target must follow the gauge.
+        "splitting": [_split_run("max_splits=1", 1, 1.0, 400 * 2**20, 2**20),
+                      _split_run(defaults, 3, 0.9, 100 * 2**20, 2**21)],
+    }
+    text = render(data, tmp_path / "benchmarks.md")
+    assert "| splitting: defaults' peak KV / max_splits=1 | 0.25     | < 1×    | yes |" in text
+    assert "| splitting: defaults' tok/s / max_splits=1   | 0.9      | ≥ 0.85× | yes |" in text
+    assert "| max_splits=1 " in text and "| 400 " in text
