@@ -36,7 +36,8 @@ def base_parser(description: str) -> argparse.ArgumentParser:
                     help="JSON results path (None: bench/results/<script>.json)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
-                    help="model dtype for every method (auto: bf16 on CPUs with native bf16 and GPUs)")
+                    help="model dtype for every method "
+                         "(auto: bf16 on GPUs and on CPUs with native bf16)")
     return ap
 
 

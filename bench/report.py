@@ -181,8 +181,9 @@ def splitting_section(runs: Sequence[dict], meta: dict) -> tuple[list[str], dict
              "decode step come from seqgate's /metrics histograms (max: the histogram bucket "
              "that holds every step).", "",
              markdown_table(["config", "runs", "output tok/s", "vs max_splits=1",
-                             "peak KV MiB", "run peak RSS MiB", "RSS growth MiB", "sub-batches/step",
-                             "max sub-batches", "mean sparsity", "errors"], rows), ""]
+                             "peak KV MiB", "run peak RSS MiB", "RSS growth MiB",
+                             "sub-batches/step", "max sub-batches", "mean sparsity", "errors"],
+                            rows), ""]
     return lines, summary
 
 
