@@ -36,9 +36,9 @@ PEER_NOTES = """\
   memory reaches several GiB whatever the load.
 - Its `--dtype auto` runs the weights' dtype (fp32 here), while seqgate's `auto` picks bf16 on
   a CPU with bf16 in hardware (AMX or AVX512-BF16): the sweep compares the two defaults (the
-  header says which dtypes ran). To
-  compare at one precision add `BENCH_ARGS="--peer-arg=--dtype=bfloat16"` or
-  `"--seqgate-arg=--dtype=fp32"`; the agreement phase runs seqgate in fp32 as well.
+  header says which dtypes ran). To compare at one precision add
+  `BENCH_ARGS="--peer-arg=--dtype=bfloat16"` or `"--seqgate-arg=--dtype=fp32"`; the agreement
+  phase runs seqgate in fp32 as well.
 - Both run with their default torch thread count (all cores); seqgate chooses its own
   (`option.num_threads`). The load generator runs on the same machine as the server.
 """
@@ -303,6 +303,11 @@ def render(data: dict, doc: Path) -> str:
         "token) / (tokens − 1) per request; throughput is over the run's wall time.", "",
     ]
     head += _contention(data)
+    skipped = meta["args"].get("skip") or []
+    if skipped:
+        head += [f"- Sweep cells left out with --skip: {', '.join(skipped)} (without continuous "
+                 "batching the peer serves one request at a time, so high concurrency only "
+                 "queues; its concurrency-8 row shows it).", ""]
     if meta["args"].get("quick"):
         head += ["**A --quick smoke run: too few requests for the numbers to mean anything.**", ""]
     failures = [f"- {f['phase']}: {f['server']}"
