@@ -20,20 +20,24 @@ def _run(server: str, conc: int, repeat: int, tps_scale: float, **extra) -> dict
             "requests": [r.to_json() for r in reqs], **extra}
 
 
+def _meta(**phase_seconds: float) -> dict:
+    return {"command": "python -m bench.serving", "started": "t0", "finished": "t1",
+            "machine": {"cpu": "cpu", "cores_available": 2, "logical_cpus": 2,
+                        "memory_gib": 8, "load_avg_1m_at_start": 0.1},
+            "versions": {"seqgate": "0.1.0", "seqgate_git_sha": "abc", "torch": "2",
+                         "transformers": "5", "python": "3.11"},
+            "model_dir": "/m", "weights_dtype": "float32",
+            "args": {"max_tokens": 128, "seed": 0, "quick": False, "peer_arg": []},
+            "phase_seconds": phase_seconds}
+
+
 def test_report_renders_tables_ratios_and_targets(tmp_path):
     from bench.report import write_report
 
     sweep = [_run(s, c, rep, scale) for c in (1, 32) for rep in (0, 1)
              for s, scale in (("seqgate", 3.0), ("tf-serve-cb", 1.0))]
     data = {
-        "meta": {"command": "python -m bench.serving", "started": "t0", "finished": "t1",
-                 "machine": {"cpu": "cpu", "cores_available": 2, "logical_cpus": 2,
-                             "memory_gib": 8, "load_avg_1m_at_start": 0.1},
-                 "versions": {"seqgate": "0.1.0", "seqgate_git_sha": "abc", "torch": "2",
-                              "transformers": "5", "python": "3.11"},
-                 "model_dir": "/m", "weights_dtype": "float32",
-                 "args": {"max_tokens": 128, "seed": 0, "quick": False, "peer_arg": []},
-                 "phase_seconds": {"sweep": 60.0}},
+        "meta": _meta(sweep=60.0),
         "sweep": sweep, "agreement": {}, "cache": [], "splitting": [], "failures": [],
     }
     doc = write_report(data, tmp_path / "benchmarks.md")
@@ -60,14 +64,7 @@ def test_splitting_target_uses_the_engines_peak_kv(tmp_path):
 
     defaults = "max_splits=3, max_sparsity=0.33 (defaults)"
     data = {
-        "meta": {"command": "c", "started": "t0", "finished": "t1",
-                 "machine": {"cpu": "cpu", "cores_available": 2, "logical_cpus": 2,
-                             "memory_gib": 8, "load_avg_1m_at_start": 0.1},
-                 "versions": {"seqgate": "0.1.0", "seqgate_git_sha": "abc", "torch": "2",
-                              "transformers": "5", "python": "3.11"},
-                 "model_dir": "/m", "weights_dtype": "float32", "splitting_prompt_lengths": [10],
-                 "args": {"max_tokens": 128, "seed": 0, "quick": False, "peer_arg": []},
-                 "phase_seconds": {"splitting": 60.0}},
+        "meta": {**_meta(splitting=60.0), "splitting_prompt_lengths": [10]},
         "sweep": [], "agreement": {}, "cache": [], "failures": [],
         # RSS growth says the opposite of the KV gauge: the target must follow the gauge.
         "splitting": [_split_run("max_splits=1", 1, 1.0, 400 * 2**20, 2**20),
