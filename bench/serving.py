@@ -160,7 +160,7 @@ class Bench:
 
     def save(self) -> None:
         self.args.out.parent.mkdir(parents=True, exist_ok=True)
-        self.args.out.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
+        self.args.out.write_text(portable(json.dumps(self.data, indent=1, default=str)) + "\n")
 
     # -- one run ---------------------------------------------------------------------------------
     def measure(self, spec: ServerSpec, path: str, bodies: list[dict], concurrency: int,
@@ -312,6 +312,14 @@ class Bench:
                                  str(sparsity), label=f"seqgate {label}")
                 self.record("splitting", spec, COMPLETIONS_PATH, bodies, conc, repeat=rep,
                             config=label, max_splits=splits, max_sparsity=sparsity)
+
+
+def portable(text: str) -> str:
+    """The results without this machine's paths: the checkout becomes `.`, the home folder `~`
+    (the results are committed beside the report)."""
+    repo = str(Path(__file__).resolve().parent.parent)
+    text = text.replace(repo + "/", "./").replace(json.dumps(repo)[1:-1], ".")
+    return text.replace(str(Path.home()) + "/", "~/")
 
 
 def split_label(max_splits: int, max_sparsity: float) -> str:

@@ -92,3 +92,15 @@ def test_margins_compare_the_choice_with_the_best_other_token():
     assert _margins({"logprobs": {"content": [tie, clear]}}) == [(" I", " What", 0.0),
                                                                   ("A", "B", 2.5)]
     assert _margins({"logprobs": None}) is None
+
+
+def test_saved_results_carry_no_machine_paths():
+    from pathlib import Path
+
+    from bench.serving import portable
+
+    repo = Path(__file__).resolve().parent.parent.parent
+    text = json.dumps({"out": f"{repo}/bench/results/x.json", "cwd": str(repo),
+                       "model": f"{Path.home()}/.cache/seqgate/m", "other": "/opt/x"})
+    assert json.loads(portable(text)) == {"out": "./bench/results/x.json", "cwd": ".",
+                                          "model": "~/.cache/seqgate/m", "other": "/opt/x"}
