@@ -253,14 +253,12 @@ def targets_section(ratios: dict, cache_speedup: float | None, split: dict) -> l
     base = split.get("max_splits=1")
     dflt = split.get("max_splits=3, max_sparsity=0.33 (defaults)")
     if base and dflt:
-        if base.get("peak_kv_bytes") and dflt.get("peak_kv_bytes") is not None:
-            mem = ratio(dflt["peak_kv_bytes"], base["peak_kv_bytes"])
-            add("splitting: defaults' peak KV / max_splits=1", mem, "< 1×",
-                None if mem is None else mem < 1)
-        else:  # results from before the KV gauge existed: RSS growth stands in
-            mem = ratio(dflt["run_growth"], base["run_growth"])
-            add("splitting: defaults' RSS growth / max_splits=1", mem, "< 1×",
-                None if mem is None else mem < 1)
+        # Results from before the KV gauge existed have no peak KV: RSS growth stands in.
+        has_kv = base.get("peak_kv_bytes") and dflt.get("peak_kv_bytes") is not None
+        key, what = ("peak_kv_bytes", "peak KV") if has_kv else ("run_growth", "RSS growth")
+        mem = ratio(dflt[key], base[key])
+        add(f"splitting: defaults' {what} / max_splits=1", mem, "< 1×",
+            None if mem is None else mem < 1)
         tps = ratio(dflt["tokens_per_s"], base["tokens_per_s"])
         add("splitting: defaults' tok/s / max_splits=1", tps, "≥ 0.85×",
             None if tps is None else tps >= 0.85)
@@ -305,9 +303,7 @@ def render(data: dict, doc: Path) -> str:
     head += _contention(data)
     skipped = meta["args"].get("skip") or []
     if skipped:
-        head += [f"- Sweep cells left out with --skip: {', '.join(skipped)} (without continuous "
-                 "batching the peer serves one request at a time, so high concurrency only "
-                 "queues; its concurrency-8 row shows it).", ""]
+        head += [f"- Sweep cells left out with --skip: {', '.join(skipped)}.", ""]
     if meta["args"].get("quick"):
         head += ["**A --quick smoke run: too few requests for the numbers to mean anything.**", ""]
     failures = [f"- {f['phase']}: {f['server']}"
