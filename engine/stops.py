@@ -5,12 +5,53 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+def _failure(s: str) -> list[int]:
+    """KMP failure function: f[i] = length of the longest proper border of s[: i + 1]."""
+    f = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = f[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        f[i] = k
+    return f
+
+
+class _StopState:
+    """One stop string's matcher: how many of its leading characters the text now ends with."""
+
+    __slots__ = ("stop", "fail", "matched")
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.fail = _failure(stop)
+        self.matched = 0
+
+    def advance(self, c: str) -> bool:
+        """Take one character; True when the whole stop string has just been seen."""
+        s, k = self.stop, self.matched
+        while k and s[k] != c:
+            k = self.fail[k - 1]
+        if s[k] == c:
+            k += 1
+        if k == len(s):
+            self.matched = self.fail[k - 1]
+            return True
+        self.matched = k
+        return False
+
+
 class StopMatcher:
     """Finds a sequence's stop strings in its streamed text and decides what is safe to emit.
 
     Owns the text that was fed but not emitted yet: the longest tail that is still a proper
     prefix of some stop string, so it may turn into a stop once more text arrives. That tail
     is at most ``max(len(s) for s in stop) - 1`` characters, so memory stays bounded.
+
+    Each stop string runs its own Knuth-Morris-Pratt automaton, so the matcher's memory is the
+    total length of the stop strings and each fed character costs amortised O(1) per stop
+    string, however long the strings are (a client controls them).
 
     When several stop strings occur, the one that *completes* first in the stream wins (ties:
     the one starting first, i.e. the longer). That is what a token-by-token engine observes, and
@@ -22,12 +63,7 @@ class StopMatcher:
     """
 
     def __init__(self, stop: Sequence[str]) -> None:
-        self._stops: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop if s))
-        self._hold_max = max((len(s) for s in self._stops), default=1) - 1
-        # Every proper prefix of every stop, to test a candidate tail in O(its length); the
-        # first characters let most tails be rejected without slicing.
-        self._prefixes = frozenset(s[:k] for s in self._stops for k in range(1, len(s)))
-        self._firsts = frozenset(p[0] for p in self._prefixes)
+        self._states = [_StopState(s) for s in dict.fromkeys(s for s in stop if s)]
         self._pending = ""
         self._stopped = False
 
@@ -44,38 +80,27 @@ class StopMatcher:
         """
         if self._stopped:
             return "", True
-        if not self._stops:
+        if not self._states:
             return text, False
         if not text:
             return "", False
         buf = self._pending + text
-        # Nothing before _pending can start a match (it was released because no stop could
-        # begin there), so every occurrence completing in this feed lies wholly inside buf.
-        best: tuple[int, int] | None = None  # (end, start) of the first-completing occurrence
-        for s in self._stops:
-            start = buf.find(s)
-            if start >= 0:
-                key = (start + len(s), start)
-                if best is None or key < best:
-                    best = key
-        if best is not None:
-            self._pending = ""
-            self._stopped = True
-            return buf[: best[1]], True
-        hold = self._held_tail(buf)
+        offset = len(self._pending)
+        for i, c in enumerate(text):
+            end = offset + i + 1
+            done = [st.stop for st in self._states if st.advance(c)]
+            if done:
+                # Completing at the same character: the longest started first.
+                self._pending = ""
+                self._stopped = True
+                return buf[: end - max(len(s) for s in done)], True
+        hold = max(st.matched for st in self._states)
         self._pending = buf[len(buf) - hold :] if hold else ""
         return buf[: len(buf) - hold], False
-
-    def _held_tail(self, buf: str) -> int:
-        # Longest suffix of buf that is a proper prefix of some stop: scan candidate starts from
-        # the left so the first hit is the longest.
-        n = len(buf)
-        for i in range(max(0, n - self._hold_max), n):
-            if buf[i] in self._firsts and buf[i:] in self._prefixes:
-                return n - i
-        return 0
 
     def flush(self) -> str:
         """Release held-back text when the sequence ends for another reason (EOS, length)."""
         text, self._pending = self._pending, ""
+        for st in self._states:
+            st.matched = 0
         return text

@@ -165,3 +165,28 @@ def test_property_many_stops_independent_of_chunking(
     whole, _ = run(stops, [text])
     assert "".join(out) == "".join(whole) == first_completed(text, stops)
     assert not any(s in "".join(out) for s in stops)
+
+
+def test_long_stop_strings_cost_linear_memory() -> None:
+    # A client controls the stop strings: the matcher must not build anything quadratic in
+    # their length (every prefix of a 20,000-character stop would be 200 million characters).
+    import tracemalloc
+
+    stops = ["x" * 20_000 + "!", "y" * 20_000]
+    tracemalloc.start()
+    try:
+        m = StopMatcher(stops)
+        text, stopped = m.feed("x" * 30_000)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert not stopped
+    assert text == "x" * 10_000  # 20,000 held: they may still become the first stop
+    assert peak < 8 * 1024 * 1024
+    assert m.feed("!") == ("", True)  # the held 20,000 were the stop string itself
+
+
+def test_matching_resumes_inside_a_failed_partial_match() -> None:
+    # After "abab" fails to become "ababc", the trailing "ab" is still a live prefix.
+    out, stopped = run(["ababc"], ["abab", "abc"])
+    assert stopped and "".join(out) == "ab"
