@@ -13,6 +13,7 @@ import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
 from adapters.errors import ApiError
+from adapters.limits import MAX_PROMPTS
 from adapters.openai_params import JobSpec, stop_list
 from adapters.openai_types import decode_request
 from adapters.token_text import TokenText
@@ -23,7 +24,6 @@ log = logging.getLogger("seqgate.adapters.djl")
 
 # DJL's rolling-batch default.
 DEFAULT_MAX_NEW_TOKENS = 30
-MAX_INPUTS = 64
 
 _KNOWN_PARAMETERS = {
     "max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_p", "top_k",
@@ -133,8 +133,8 @@ def build_djl_jobs(req: DjlRequest, opts: DjlOptions, tokenizer,
     """One job per input. The cached prompt is tokenized on its own and put in front, so its ids
     (the prompt-cache key) are the same for every request whatever follows them."""
     inputs = [req.inputs] if isinstance(req.inputs, str) else req.inputs
-    if not inputs or len(inputs) > MAX_INPUTS:
-        raise ApiError.bad_request(f"inputs must hold 1 to {MAX_INPUTS} strings", param="inputs")
+    if not inputs or len(inputs) > MAX_PROMPTS:
+        raise ApiError.bad_request(f"inputs must hold 1 to {MAX_PROMPTS} strings", param="inputs")
     head = tokenizer.encode(req.cached_prompt) if req.cached_prompt else []
     jobs = []
     for text in inputs:

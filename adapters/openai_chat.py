@@ -4,6 +4,7 @@ engine deltas → a response or stream chunks."""
 from __future__ import annotations
 
 from adapters.errors import ApiError
+from adapters.limits import MAX_CONTENT_PARTS, MAX_MESSAGES
 from adapters.openai_params import (
     JobSpec,
     ResponseMeta,
@@ -60,6 +61,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     """Messages as chat templates take them: text content, `developer` rendered as `system`."""
     if not messages:
         raise ApiError.bad_request("messages must not be empty", param="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise ApiError.bad_request(f"messages takes at most {MAX_MESSAGES} messages, got "
+                                   f"{len(messages)}", param="messages")
     out = []
     for i, m in enumerate(messages):
         if m.role in ("tool", "function"):
@@ -71,6 +75,10 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
         if m.tool_calls:
             raise ApiError.unsupported(f"messages[{i}].tool_calls", " (no tool calling)")
         if isinstance(m.content, list):
+            if len(m.content) > MAX_CONTENT_PARTS:
+                raise ApiError.bad_request(f"a message takes at most {MAX_CONTENT_PARTS} content "
+                                           f"parts, got {len(m.content)}",
+                                           param=f"messages[{i}].content")
             texts = []
             for j, part in enumerate(m.content):
                 if part.type != "text" or part.text is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from adapters.errors import ApiError
+from adapters.limits import MAX_CHOICES, MAX_PROMPTS
 from adapters.openai_params import (
     JobSpec,
     ResponseMeta,
@@ -25,7 +26,6 @@ from engine import JobDelta
 
 # OpenAI's own default for this endpoint (chat has none).
 DEFAULT_MAX_TOKENS = 16
-MAX_PROMPTS = 64
 
 
 @dataclass
@@ -91,6 +91,10 @@ def build_completion_jobs(req: CompletionRequest, tokenizer,
     """One job per prompt; everything is checked before any job is submitted."""
     check_supported(req)
     prompts = parse_prompts(req.prompt, tokenizer)
+    n = 1 if req.n is None else req.n
+    if len(prompts) * n > MAX_CHOICES:
+        raise ApiError.bad_request(f"prompts × n must be at most {MAX_CHOICES}, got "
+                                   f"{len(prompts)} × {n}", param="n")
     requested = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     jobs = []
     for p in prompts:

@@ -14,6 +14,7 @@ from adapters.errors import ApiError
 from adapters.openai_types import SamplingFields
 from engine import ContextLengthExceeded, InvalidParams, SamplingParams
 from engine.config import STRATEGIES
+from engine.sampling_params import MAX_LOGIT_BIAS
 
 
 @dataclass
@@ -70,6 +71,9 @@ def strategy_for(req: SamplingFields) -> str | None:
 
 
 def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float]:
+    if bias and len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError.bad_request(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got "
+                                   f"{len(bias)}", param="logit_bias")
     out: dict[int, float] = {}
     for key, value in (bias or {}).items():
         try:

@@ -186,16 +186,16 @@ class Engine:
                 f"n={params.n} exceeds max_rolling_batch_size={self.config.max_rolling_batch_size}",
             )
         vocab = self.runner.vocab_size
-        bad = [
-            t
-            for t in (*prompt_ids, *params.stop_token_ids, *params.logit_bias)
-            if not 0 <= t < vocab
-        ]
-        if bad:
-            raise InvalidParams(
-                "prompt" if bad[0] in prompt_ids else "logit_bias",
-                f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
-            )
+        for param, ids in (
+            ("prompt", prompt_ids),
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias),
+        ):
+            if (bad := next((t for t in ids if not 0 <= t < vocab), None)) is not None:
+                raise InvalidParams(param, f"token id {bad} is outside the vocabulary [0, {vocab})")
+        strategy = params.resolved_strategy(self.config.decoding_strategy)
+        if strategy == "contrastive":
+            params.check_contrastive()
         if len(prompt_ids) + params.max_new_tokens > self.max_model_len:
             raise ContextLengthExceeded(len(prompt_ids), params.max_new_tokens, self.max_model_len)
         try:
@@ -207,7 +207,7 @@ class Engine:
             job_id=handle.job_id,
             prompt_ids=list(prompt_ids),
             params=params,
-            strategy=params.resolved_strategy(self.config.decoding_strategy),
+            strategy=strategy,
             prefix_len=max(0, min(prefix_len, len(prompt_ids))),
             emit=handle._put,
         )

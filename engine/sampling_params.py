@@ -6,6 +6,17 @@ from dataclasses import dataclass, field
 
 from engine.config import STRATEGIES
 
+# Bounds on what a client controls per job: each one caps memory or work on the engine thread.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # per stop string
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+MAX_CONTRASTIVE_TOP_K = 16  # each candidate is one more row in the look-ahead forward
+MAX_TOP_K = 2**31 - 1
+SEED_RANGE = (-(2**63), 2**63 - 1)  # int64, as OpenAI documents it
+
 
 class InvalidParams(ValueError):
     """A sampling parameter is out of range. `param` names it, as the API spells it."""
@@ -42,6 +53,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise InvalidParams naming the first parameter out of range."""
+        self._validate_sizes()
         if self.strategy is not None and self.strategy not in STRATEGIES:
             raise InvalidParams(
                 "decoding_strategy",
@@ -53,8 +65,10 @@ class SamplingParams:
             )
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidParams("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InvalidParams("top_k", f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise InvalidParams("top_k", f"top_k must be in [0, {MAX_TOP_K}], got {self.top_k}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise InvalidParams("seed", f"seed must be a 64-bit signed integer, got {self.seed}")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidParams("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if not 0.0 <= self.penalty_alpha <= 1.0:
@@ -81,14 +95,49 @@ class SamplingParams:
             raise InvalidParams(
                 "min_tokens", f"min_tokens must be in [0, max_tokens], got {self.min_new_tokens}"
             )
-        if not 1 <= self.n <= 16:
-            raise InvalidParams("n", f"n must be in [1, 16], got {self.n}")
-        if not 0 <= self.top_logprobs <= 20:
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidParams("n", f"n must be in [1, {MAX_N}], got {self.n}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidParams(
-                "top_logprobs", f"top_logprobs must be in [0, 20], got {self.top_logprobs}"
+                "top_logprobs",
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
             )
-        if len(self.stop) > 16 or any(not s for s in self.stop):
-            raise InvalidParams("stop", "stop takes at most 16 non-empty strings")
+        if self.strategy == "contrastive":
+            self.check_contrastive()
+
+    def _validate_sizes(self) -> None:
+        """Lists and maps the client sizes: bounded, so no request can hog the engine."""
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidParams(
+                "stop", f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}"
+            )
+        for s in self.stop:
+            if not s or len(s) > MAX_STOP_CHARS:
+                raise InvalidParams(
+                    "stop",
+                    f"each stop string must have 1 to {MAX_STOP_CHARS} characters, got one of "
+                    f"{len(s)}",
+                )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidParams(
+                "stop_token_ids",
+                f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, "
+                f"got {len(self.stop_token_ids)}",
+            )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidParams(
+                "logit_bias",
+                f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}",
+            )
+
+    def check_contrastive(self) -> None:
+        """Contrastive search's own bound (also checked once a server default resolves to it)."""
+        if self.top_k > MAX_CONTRASTIVE_TOP_K:
+            raise InvalidParams(
+                "top_k",
+                f"contrastive search takes top_k up to {MAX_CONTRASTIVE_TOP_K} (each candidate is "
+                f"a look-ahead row), got {self.top_k}",
+            )
 
     def resolved_strategy(self, default: str) -> str:
         strategy = self.strategy or default
