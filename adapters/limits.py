@@ -7,7 +7,6 @@ that one client could otherwise make the server spend (README: "Limits").
 
 from __future__ import annotations
 
-
 MAX_MESSAGES = 4096  # chat messages in one request
 MAX_CONTENT_PARTS = 256  # content parts in one message
 MAX_PROMPTS = 64  # prompts in one /v1/completions request, inputs in one DJL request
