@@ -1,6 +1,6 @@
 PYTHON ?= .venv/bin/python
 
-.PHONY: fuzz openapi openapi-check bench
+.PHONY: fuzz openapi openapi-check bench soak
 
 # Schemathesis against a live server with the real model, with a larger budget than the test
 # suite's and the coverage phase on (boundary values, wrong types, unsupported methods).
@@ -28,3 +28,12 @@ bench:
 	bash scripts/install.sh dev,bench
 	$(PYTHON) -m bench.serving $(BENCH_ARGS)
 	case "$(BENCH_ARGS)" in *--quick*) ;; *) cp bench/results/serving.json docs/benchmarks/ ;; esac
+
+# Soak and fault run: seqgate under mixed ShareGPT load with client disconnects and bad input,
+# then SIGTERM with requests in flight, then schemathesis (at least 5,000 cases); writes
+# bench/results/soak.json and docs/reliability.md. About 5 minutes of load plus the fuzz run.
+# SOAK_ARGS="--duration 60 --concurrency 16 --skip-fuzz" for a smoke run.
+SOAK_ARGS ?=
+soak:
+	bash scripts/install.sh dev,bench
+	$(PYTHON) -m bench.soak $(SOAK_ARGS)

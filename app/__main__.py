@@ -8,6 +8,8 @@ exits. A second signal exits at once.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import ipaddress
 import json
 import logging
 import signal
@@ -31,6 +33,7 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.gateway = gateway
         self._drain_started = False
+        self._watcher: asyncio.Task | None = None
 
     def handle_exit(self, sig: int, frame) -> None:
         if self._drain_started:  # second signal: stop now
@@ -53,17 +56,32 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if self.started and not self.should_exit:
+            # The port is open while the model loads (/health: 503 "loading"); the banner waits
+            # for readiness, and a failed load ends the process.
+            print(f"seqgate is listening at {server_url(self)}; loading the model (GET /health "
+                  "answers 503 until it is ready)", flush=True)
+            self._watcher = asyncio.create_task(self._when_settled())
+
+    async def _when_settled(self) -> None:
+        await self.gateway.settled.wait()
+        if self.gateway.load_error is not None:
+            self.should_exit = True
+        elif not self.should_exit:
             print_banner(self)
 
 
-def print_banner(server: uvicorn.Server) -> None:
+def server_url(server: uvicorn.Server) -> str:
     host, port = server.config.host, server.config.port
     for s in server.servers:
         for sock in s.sockets:
             host, port = sock.getsockname()[:2]
             break
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    url = f"http://{shown}:{port}"
+    return f"http://{shown}:{port}"
+
+
+def print_banner(server: uvicorn.Server) -> None:
+    url = server_url(server)
     gw: GatewayState = server.gateway
     auth = ' -H "Authorization: Bearer $SEQGATE_API_KEY"' if gw.settings.server.api_keys else ""
     body = json.dumps({"model": gw.model_name, "max_tokens": 32,
@@ -74,13 +92,33 @@ def print_banner(server: uvicorn.Server) -> None:
           f"-d '{body}'", flush=True)
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+def warn_if_exposed(settings: Settings) -> None:
+    server = settings.server
+    if not server.api_keys and not is_loopback(server.host):
+        log.warning("listening on %s without API keys: anyone who can reach this port can use "
+                    "the model (set SEQGATE_API_KEYS, or listen on 127.0.0.1)", server.host)
+
+
 def serve(settings: Settings) -> int:
+    warn_if_exposed(settings)
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.server.host, port=settings.server.port,
                             log_level=settings.server.log_level, lifespan="on",
                             timeout_graceful_shutdown=max(settings.server.drain_timeout, 1))
     server = DrainingServer(config, app.state.gateway)
     server.run()
+    if app.state.gateway.load_error is not None:
+        print(f"seqgate: error: {app.state.gateway.load_error}", file=sys.stderr)
+        return 1
     return 0 if server.started else 1
 
 

@@ -1,9 +1,16 @@
 """The app's long-lived state and the lifespan hook that owns the engine.
 
-`GatewayState` sits on `app.state.gateway`. The lifespan loads the model (in a thread, bounded
-by `model_loading_timeout`), starts the engine loop, answers one 1-token job so `/health` turns
-200 only once the model really answers, and on shutdown drains the engine it created. An engine
-passed in by the caller (tests) is started if needed but left running: its owner stops it.
+`GatewayState` sits on `app.state.gateway` and is the one readiness policy: every route that
+needs the model asks it (`require_ready`), so loading, draining and failed start-ups answer the
+same 503 everywhere.
+
+The lifespan returns at once, so uvicorn binds its port while the model loads: clients and
+orchestrators get 503 `service_unavailable` with `Retry-After` (and `/health` says "loading")
+instead of "connection refused". The model loads in a daemon thread, bounded by
+`model_loading_timeout`; the engine loop starts and answers one 1-token job, and only then does
+`/health` turn 200. A load that fails or times out is recorded in `load_error` and `settled` is
+set, so the CLI can exit non-zero. An engine passed in by the caller (tests) is started and
+warmed before the lifespan returns, and left running at shutdown: its owner stops it.
 """
 
 from __future__ import annotations
@@ -11,18 +18,20 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from litestar import Litestar
 from litestar.di import NamedDependency
 
+from adapters.errors import DRAINING_RETRY_AFTER, ApiError, draining_error
 from adapters.token_text import TokenText
 from app.metrics import GatewayMetrics
 from app.settings import Settings
 from app.version import __version__
-from engine import Engine, SamplingParams
+from engine import Engine, EngineConfig, SamplingParams
 
 log = logging.getLogger("seqgate.app")
 
@@ -38,6 +47,11 @@ class GatewayState:
     ready: bool = False  # the model has answered; /health is 200
     draining: bool = False  # SIGTERM received: refuse new work, finish what runs
     token_text: TokenText | None = None
+    load_error: str | None = None  # why the model could not be loaded; the server exits
+    # Set once start-up has settled: ready, or failed (load_error).
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
+    # How the lifespan builds the engine from the settings (tests hold the load on a gate).
+    build_engine: Callable[[EngineConfig], Engine] = Engine
 
     @property
     def model_name(self) -> str:
@@ -54,11 +68,35 @@ class GatewayState:
     def accepting(self) -> bool:
         return self.ready and not self.draining and not (self.engine and self.engine.draining)
 
+    @property
+    def status(self) -> str:
+        """ok | loading | draining | failed, as /health reports it."""
+        if self.draining or (self.engine is not None and self.engine.draining):
+            return "draining"
+        if self.load_error is not None:
+            return "failed"
+        return "ok" if self.ready else "loading"
+
+    def require_ready(self) -> Engine:
+        """The engine, or the 503 that says why there is none to use right now."""
+        status = self.status
+        if status == "ok":
+            return self.engine
+        if status == "draining":
+            raise draining_error()
+        if status == "failed":
+            raise ApiError(503, "The model failed to load; the server is exiting.",
+                           "service_unavailable")
+        raise ApiError(503, "The model is still loading; retry shortly.", "service_unavailable",
+                       headers={"Retry-After": str(LOADING_RETRY_AFTER)})
+
     def use_engine(self, engine: Engine) -> None:
         self.engine = engine
         self.token_text = TokenText(engine.tokenizer)
         self.metrics.attach(engine)
 
+
+LOADING_RETRY_AFTER = DRAINING_RETRY_AFTER
 
 # How controllers ask for the state: `gw: Gateway` (an explicit dependency, resolved by name).
 Gateway = NamedDependency[GatewayState]
@@ -84,29 +122,72 @@ async def _warm_up(engine: Engine) -> None:
         pass
 
 
-@asynccontextmanager
-async def engine_lifespan(app: Litestar) -> AsyncIterator[None]:
-    state: GatewayState = app.state.gateway
+async def _load_in_thread(state: GatewayState) -> Engine:
+    """Build the engine in a daemon thread: a shutdown during a long load need not wait for it."""
     settings = state.settings
-    if state.engine is None:
-        _log_device_choice(settings)
-        timeout = settings.server.model_loading_timeout
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Engine] = loop.create_future()
+
+    def settle(fn, value) -> None:
+        if not done.done():
+            fn(value)
+
+    def load() -> None:
         try:
-            engine = await asyncio.wait_for(asyncio.to_thread(Engine, settings.engine), timeout)
-        except TimeoutError:
-            raise RuntimeError(f"the model did not load within option.model_loading_timeout="
-                               f"{timeout:g}s") from None
-        state.owns_engine = True
-        state.use_engine(engine)
+            engine = state.build_engine(settings.engine)
+        except BaseException as exc:  # noqa: BLE001 - reported to the waiting loop
+            loop.call_soon_threadsafe(settle, done.set_exception, exc)
+        else:
+            loop.call_soon_threadsafe(settle, done.set_result, engine)
+
+    threading.Thread(target=load, name="seqgate-load", daemon=True).start()
+    timeout = settings.server.model_loading_timeout
+    try:
+        return await asyncio.wait_for(done, timeout)
+    except TimeoutError:
+        raise RuntimeError(f"the model did not load within option.model_loading_timeout="
+                           f"{timeout:g}s") from None
+
+
+async def _start(state: GatewayState) -> None:
     engine = state.engine
     engine.start()
-    if settings.server.warmup:
+    if state.settings.server.warmup:
         await _warm_up(engine)
     state.ready = True
     log.info("serving %s (max_model_len %d)", state.model_name, engine.max_model_len)
+
+
+async def _load_and_start(state: GatewayState) -> None:
+    _log_device_choice(state.settings)
+    try:
+        engine = await _load_in_thread(state)
+        state.owns_engine = True
+        state.use_engine(engine)
+        await _start(state)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        log.error("start-up failed: %s", state.load_error)
+    finally:
+        state.settled.set()
+
+
+@asynccontextmanager
+async def engine_lifespan(app: Litestar) -> AsyncIterator[None]:
+    state: GatewayState = app.state.gateway
+    loading: asyncio.Task | None = None
+    if state.engine is None:
+        loading = asyncio.create_task(_load_and_start(state), name="seqgate-load")
+    else:
+        await _start(state)
+        state.settled.set()
     try:
         yield
     finally:
         state.ready = False
-        if state.owns_engine:
-            await asyncio.to_thread(engine.stop, True, settings.server.drain_timeout)
+        if loading is not None and not loading.done():
+            loading.cancel()
+        if state.owns_engine and state.engine is not None:
+            await asyncio.to_thread(state.engine.stop, True, state.settings.server.drain_timeout)

@@ -67,10 +67,10 @@ def versions() -> dict:
     }
 
 
-def command(argv: list[str] | None = None) -> str:
+def command(argv: list[str] | None = None, module: str = "bench.serving") -> str:
     """The command line that reruns this benchmark from the repository root."""
     args = sys.argv[1:] if argv is None else argv
-    return shlex.join(["python", "-m", "bench.serving", *args])
+    return shlex.join(["python", "-m", module, *args])
 
 
 def now() -> str:

@@ -256,7 +256,8 @@ class Outcome:
     extra: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v not in (None, False, {})}
+        return {k: v for k, v in asdict(self).items()
+                if v is not None and v is not False and v != {}}
 
 
 def _judge_error(o: Outcome, req: SoakRequest, body: bytes) -> None:

@@ -31,6 +31,7 @@ from engine.stops import StopMatcher
 log = logging.getLogger("seqgate.engine")
 
 _END = None  # end-of-stream marker on a handle's queue
+_STOP_JOIN_SECONDS = 30  # how long stop() waits for a step in progress
 
 
 class ContextLengthExceeded(InvalidParams):
@@ -125,6 +126,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._running = False
         self.draining = False
+        self._admit_lock = threading.Lock()
 
     def _eos_ids(self) -> list[int]:
         ids = set()
@@ -149,22 +151,36 @@ class Engine:
             self._thread.start()
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Stop admitting; with `drain`, let running and queued jobs finish first."""
-        self.draining = True
+        """Stop admitting; with `drain`, let running and queued jobs finish first (for up to
+        `timeout` seconds). Jobs still unfinished then end with finish reason "abort" (the API
+        answers 503 service_unavailable), never silently.
+
+        Only the engine thread touches jobs: if a step is still running when the join gives up,
+        the loop ends the remaining jobs itself when that step returns.
+        """
+        with self._admit_lock:
+            self.draining = True
         if drain and self._thread is not None:  # only the engine thread can drain the work
             deadline = None if timeout is None else time.monotonic() + timeout
             while self.scheduler.has_work and (deadline is None or time.monotonic() < deadline):
                 time.sleep(0.02)
         self._running = False
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=_STOP_JOIN_SECONDS)
+            if thread.is_alive():
+                log.warning("an engine step is still running after %ss; it ends the remaining "
+                            "jobs when it returns", _STOP_JOIN_SECONDS)
+                return
             self._thread = None
-        # Whatever is left ends now, so no client waits forever on a stream.
-        while len(self.scheduler.queue):
-            job = self.scheduler.queue.pop()
-            self.scheduler.running.extend(job.seqs)
-        self._fail_all("the engine stopped before this job finished")
+        self._end_remaining()
+
+    def _end_remaining(self) -> None:
+        """End every queued and running job with "abort" (the engine thread, or no thread)."""
+        aborted = self.scheduler.abort_all()
+        self.batch.sub_batches = []
+        self._publish({job.job_id: job for job in aborted})
 
     def submit(
         self,
@@ -175,8 +191,6 @@ class Engine:
     ) -> JobHandle:
         """Queue a job; its output arrives on the returned handle. Raises QueueFull, InvalidParams,
         ContextLengthExceeded or EngineStopped."""
-        if self.draining or not self._running:
-            raise EngineStopped("the engine is not accepting new jobs (draining or stopped)")
         params.validate()
         if not prompt_ids:
             raise InvalidParams("prompt", "the prompt is empty")
@@ -212,7 +226,10 @@ class Engine:
             emit=handle._put,
         )
         job.seqs = [Sequence(job, i) for i in range(params.n)]
-        self.scheduler.submit(job)
+        with self._admit_lock:  # stop() cannot slip between this check and the push
+            if self.draining or not self._running:
+                raise EngineStopped("the engine is not accepting new jobs (draining or stopped)")
+            self.scheduler.submit(job)
         self._wake.set()
         return handle
 
@@ -245,6 +262,7 @@ class Engine:
             except Exception:  # a bug in the step must not kill the server: fail what ran
                 log.exception("engine step failed; failing the running jobs")
                 self._fail_all("internal engine error")
+        self._end_remaining()  # stopped: whatever is left ends here, on this thread
 
     def run_until_idle(self, max_steps: int = 100_000) -> list[StepStats]:
         """Drive the engine from the calling thread until no work is left (tests, benchmarks)."""

@@ -89,6 +89,21 @@ class Scheduler:
             self.running.extend(job.seqs)
         return plan
 
+    def abort_all(self) -> list[Job]:
+        """End every queued and running job with ABORT (shutdown); returns the jobs touched."""
+        jobs = {s.job.job_id: s.job for s in self.running}
+        while len(self.queue):
+            job = self.queue.pop()
+            jobs[job.job_id] = job
+        for job in jobs.values():
+            for s in job.seqs:
+                if not s.status.finished:
+                    s.status = SeqStatus.ABORT
+        self.running = []
+        with self._abort_lock:
+            self._abort_ids.clear()
+        return list(jobs.values())
+
     def drop_finished(self) -> list[Sequence]:
         """Remove rows that finished during prefill, before the batch is regrouped."""
         done = [s for s in self.running if s.status.finished]

@@ -11,7 +11,7 @@ from litestar import Controller, Request, Response, get, post
 from litestar.response import Stream
 
 from adapters.djl import DjlAssembler, DjlOutput, DjlRequest, build_djl_jobs, decode_djl
-from adapters.errors import ApiError, draining_error
+from adapters.errors import ApiError
 from app.api_docs import documented
 from app.auth import require_api_key
 from app.lifespan import Gateway
@@ -30,8 +30,7 @@ class DjlController(Controller):
                                      errors=("400", "401", "413", "429", "503")))
     async def invocations(self, request: Request, gw: Gateway) -> Response:
         started = time.perf_counter()
-        if not gw.accepting:
-            raise draining_error()
+        gw.require_ready()
         req, opts = decode_djl(await request.body())
         engine = gw.engine
         specs = build_djl_jobs(req, opts, engine.tokenizer, engine.max_model_len)

@@ -10,7 +10,6 @@ import msgspec
 from litestar import Controller, Request, Response, get, post
 from litestar.params import FromPath
 
-from adapters.errors import ApiError, draining_error
 from adapters.openai_chat import ChatAssembler, ChatChunker, build_chat_job
 from adapters.openai_completions import (
     CompletionAssembler,
@@ -47,10 +46,7 @@ def json_response(obj: object, status: int = 200) -> Response:
 
 async def parse(request: Request, gw: GatewayState, type_: type[T]) -> T:
     """Refuse while not ready or draining, then decode the body (unknown fields logged only)."""
-    if not gw.accepting:
-        raise draining_error() if gw.draining or gw.engine is None or gw.engine.draining else \
-            ApiError(503, "The model is still loading.", "service_unavailable",
-                     headers={"Retry-After": "5"})
+    gw.require_ready()
     req, unknown = decode_request(await request.body(), type_)
     if unknown:
         log.info("%s: ignoring unknown fields %s", request.url.path, unknown)
@@ -130,13 +126,15 @@ class ModelsController(Controller):
                          max_model_len=limit)
 
     @get("/", operation_id="listModels", summary="List the served model",
-         operation_class=documented(None, ModelList, errors=("401",)))
+         operation_class=documented(None, ModelList, errors=("401", "503")))
     async def list_models(self, gw: Gateway) -> Response:
+        gw.require_ready()
         return json_response(ModelList(data=[self._card(gw)]))
 
     @get("/{model_id:path}", operation_id="retrieveModel", summary="Describe a model",
-         operation_class=documented(None, ModelCard, errors=("401", "404")))
+         operation_class=documented(None, ModelCard, errors=("401", "404", "503")))
     async def retrieve(self, model_id: FromPath[str], gw: Gateway) -> Response:
+        gw.require_ready()
         model_id = model_id.lstrip("/")
         check_model(model_id, gw.model_name)
         return json_response(self._card(gw))

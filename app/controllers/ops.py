@@ -19,7 +19,7 @@ from adapters.openai_types import (
 from app.api_docs import documented
 from app.auth import require_api_key
 from app.controllers.openai import json_response
-from app.lifespan import Gateway, GatewayState
+from app.lifespan import LOADING_RETRY_AFTER, Gateway
 from app.metrics import CONTENT_TYPE
 from app.version import __version__
 
@@ -32,10 +32,11 @@ class OpsController(Controller):
     @get("/health", operation_id="health", summary="200 once the model answers; 503 while "
          "loading or draining")
     async def health(self, gw: Gateway) -> Response:
-        if gw.accepting:
-            return Response(content={"status": "ok"}, status_code=200)
-        status = "draining" if gw.draining or (gw.engine and gw.engine.draining) else "loading"
-        return Response(content={"status": status}, status_code=503)
+        status = gw.status
+        if status == "ok":
+            return Response(content={"status": status}, status_code=200)
+        headers = {"Retry-After": str(LOADING_RETRY_AFTER)} if status == "loading" else None
+        return Response(content={"status": status}, status_code=503, headers=headers)
 
     @get("/version", operation_id="version", summary="Versions and the engine's configuration")
     async def version(self, gw: Gateway) -> dict:
@@ -68,7 +69,7 @@ class OpsController(Controller):
           operation_class=documented(TokenizeRequest, TokenizeResponse,
                                      errors=("400", "401", "404", "503")))
     async def tokenize(self, request: Request, gw: Gateway) -> Response:
-        engine = self._engine(gw)
+        engine = gw.require_ready()
         req, _ = decode_request(await request.body(), TokenizeRequest)
         check_model(req.model, gw.model_name)
         if (req.prompt is None) == (req.messages is None):
@@ -86,7 +87,7 @@ class OpsController(Controller):
           operation_class=documented(DetokenizeRequest, DetokenizeResponse,
                                      errors=("400", "401", "404", "503")))
     async def detokenize(self, request: Request, gw: Gateway) -> Response:
-        engine = self._engine(gw)
+        engine = gw.require_ready()
         req, _ = decode_request(await request.body(), DetokenizeRequest)
         check_model(req.model, gw.model_name)
         vocab = len(engine.tokenizer)
@@ -94,9 +95,3 @@ class OpsController(Controller):
             raise ApiError.bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
                                        param="tokens")
         return json_response(DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens)))
-
-    @staticmethod
-    def _engine(gw: GatewayState):
-        if gw.engine is None:
-            raise ApiError(503, "The model is still loading.", "service_unavailable")
-        return gw.engine

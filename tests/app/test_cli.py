@@ -91,3 +91,75 @@ def test_serve_seed_properties_then_drain_on_sigterm(tmp_path):
     log = "".join(stderr)
     assert "option.dtype=fp16 but no GPU" in log or "cuda" in log.lower()
     assert "draining" in log
+
+
+def test_a_model_that_cannot_load_exits_1(tmp_path, capsys):
+    """The port opens first; the failed load then ends the process with status 1 and says why."""
+    missing = tmp_path / "nowhere.gguf"
+    assert main(["serve", "--model", str(missing), "--port", "0", "--log-level", "error"]) == 1
+    captured = capsys.readouterr()
+    assert "listening at http://127.0.0.1:" in captured.out
+    assert str(missing) in captured.err
+
+
+def start_cli(*args: str) -> tuple[subprocess.Popen, queue.Queue[str], list[str]]:
+    env = {**os.environ, "SEQGATE_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--port", "0", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    stderr: list[str] = []
+    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()
+    return proc, lines, stderr
+
+
+@pytest.mark.slow
+def test_drain_timeout_ends_open_streams_with_service_unavailable():
+    """A stream still running when --drain-timeout ends gets a service_unavailable error event and
+    [DONE] (not a 500), a non-streamed request a 503; the process still exits 0."""
+    proc, lines, stderr = start_cli("--drain-timeout", "1", "--max-rolling-batch-size", "4")
+    try:
+        banner = ""
+        while "seqgate is serving" not in banner:
+            banner = lines.get(timeout=180)
+        url = banner.split(" at ")[1].split()[0]
+        body = {"messages": [{"role": "user", "content": "Tell me about the sea."}],
+                "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+        started = threading.Barrier(3)
+        results: dict[str, object] = {}
+
+        def stream():
+            events = []
+            with httpx.stream("POST", url + "/v1/chat/completions",
+                              json={**body, "stream": True}, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) == 2:
+                            started.wait(30)
+            results["stream"] = events
+
+        def plain():
+            started.wait(30)
+            results["plain"] = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+
+        threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+        for t in threads:
+            t.start()
+        started.wait(60)
+        time.sleep(0.5)  # the non-streamed request is in the batch too
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=60)
+        events = results["stream"]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "service_unavailable" and "shutting down" in error["message"]
+        plain_response = results["plain"]
+        assert plain_response.status_code == 503, plain_response.text
+        assert plain_response.json()["error"]["code"] == "service_unavailable"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "generation_failed" not in "".join(stderr)

@@ -4,11 +4,13 @@ failure isolation, the async stream, and the scheduler's plan without a model.""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 import engine.decoder as decoder_module
-from engine import Engine, EngineConfig, QueueFull, SamplingParams
+import engine.engine as engine_module
+from engine import Engine, EngineConfig, EngineStopped, QueueFull, SamplingParams
 from engine.job import Job, SeqStatus, Sequence
 from engine.scheduler import Scheduler
 from tests.engine.helpers import collect
@@ -163,4 +165,45 @@ def test_stop_without_drain_ends_every_stream(tiny_model):
     eng.stop(drain=False)
     for h in (running, waiting):
         out = collect(h)[0]
-        assert out["finish"] == "error" and "stopped" in out["deltas"][-1].error
+        assert out["finish"] == "abort"  # the API answers 503 service_unavailable for it
+
+
+def test_drain_timeout_lets_finished_jobs_finish_and_aborts_the_rest(tiny_model):
+    eng = Engine(EngineConfig(max_rolling_batch_size=2), loaded=tiny_model)
+    eng.start()
+    short = eng.submit([1, 2, 3], params(3))
+    long = eng.submit([4, 5, 6], params(1500))
+    queued = eng.submit([7, 8, 9], params(5))
+    eng.stop(drain=True, timeout=0.5)
+    assert collect(short)[0]["finish"] == "length"
+    assert collect(long)[0]["finish"] == "abort"
+    assert collect(queued)[0]["finish"] in ("length", "abort")
+    with pytest.raises(EngineStopped):
+        eng.submit([1], params(1))
+    assert eng.stats().running == 0 and eng.stats().queued == 0
+
+
+def test_stop_while_a_step_runs_leaves_the_jobs_to_the_engine_thread(tiny_model, monkeypatch):
+    """A step that outlives stop()'s join: stop returns, and the loop ends the jobs itself when
+    the step returns, each stream once (no second thread touching the batch)."""
+    eng = Engine(EngineConfig(max_rolling_batch_size=2, fuse_sub_batches=False), loaded=tiny_model)
+    in_step, release = threading.Event(), threading.Event()
+    real_decode = eng.runner.decode
+
+    def slow_decode(*args, **kwargs):
+        in_step.set()
+        release.wait(10)
+        return real_decode(*args, **kwargs)
+
+    monkeypatch.setattr(eng.runner, "decode", slow_decode)
+    monkeypatch.setattr(engine_module, "_STOP_JOIN_SECONDS", 0.1)
+    eng.start()
+    handles = [eng.submit([1, 2, 3], params(50)), eng.submit([4, 5], params(50))]
+    assert in_step.wait(10)
+    eng.stop(drain=False)
+    assert eng._thread is not None and eng._thread.is_alive()  # the step is still running
+    release.set()
+    eng._thread.join(10)
+    for h in handles:
+        deltas = list(h.iter_sync(timeout=10))
+        assert [d.finish_reason for d in deltas if d.finished] == ["abort"]

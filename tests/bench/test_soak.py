@@ -1,0 +1,235 @@
+"""The soak harness's pure parts: the request mix, the bad inputs, stream classification, the
+/metrics and schemathesis parsers, and the report (no server, no model)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from bench.scrape import parse
+from bench.sharegpt import Request
+from bench.soak import abort_free, parse_fuzz_output, request_outcomes
+from bench.soak_report import (
+    category,
+    drain_ending,
+    drain_summary,
+    render,
+    targets,
+    traffic_summary,
+)
+from bench.soak_traffic import (
+    BAD_INPUTS,
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    MixShares,
+    Outcome,
+    RequestMix,
+    ServedModel,
+    bad_request,
+    classify_stream,
+    envelope_problem,
+)
+
+SERVED = ServedModel("SmolLM2-135M-Instruct", 2048)
+
+
+def _exchanges(n: int = 5) -> list[Request]:
+    return [Request(f"<prompt {i}>", [{"role": "user", "content": f"question {i}"}], [1, 2, 3],
+                    8 + i) for i in range(n)]
+
+
+def _draw(count: int, seed: int = 0, **shares) -> list:
+    mix = RequestMix(_exchanges(), SERVED, seed, MixShares(**shares))
+    return [mix.next() for _ in range(count)]
+
+
+def test_the_mix_is_reproducible_from_its_seed():
+    assert _draw(50, seed=3) == _draw(50, seed=3)
+    assert _draw(50, seed=3) != _draw(50, seed=4)
+
+
+def test_the_mix_has_every_trait_in_about_its_share():
+    reqs = _draw(4000)
+    share = lambda pred: sum(map(pred, reqs)) / len(reqs)  # noqa: E731
+    assert share(lambda r: r.bad) == pytest.approx(0.05, abs=0.015)
+    good = [r for r in reqs if not r.bad]
+    cut = [r for r in good if r.cut_after_events or r.cut_after_s]
+    assert len(cut) / len(good) == pytest.approx(0.10, abs=0.02)
+    assert all(r.stream == (r.cut_after_events is not None) for r in cut)
+    bodies = [json.loads(r.body) for r in good]
+    assert {r.path for r in good} == {CHAT_PATH, COMPLETIONS_PATH}
+    assert any(b.get("n") == 2 for b in bodies) and any("stop" in b for b in bodies)
+    assert any(b["temperature"] == 0 for b in bodies) and any("seed" in b for b in bodies)
+    assert all(b["stream"] == r.stream for b, r in zip(bodies, good))
+    assert all(b["max_tokens"] <= 12 for b in bodies)
+
+
+def test_good_requests_fit_their_route():
+    for r in _draw(200, bad=0.0):
+        body = json.loads(r.body)
+        assert ("messages" in body) == (r.path == CHAT_PATH)
+        assert ("prompt" in body) == (r.path == COMPLETIONS_PATH)
+        assert body["model"] == SERVED.name
+        assert r.kind.startswith("chat" if r.path == CHAT_PATH else "completion")
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_every_bad_input_is_bad(name):
+    req = bad_request(name, SERVED, random.Random(0))
+    assert req.bad and not req.stream and req.kind == f"bad:{name}"
+    try:
+        body = json.loads(req.body)
+    except (ValueError, UnicodeDecodeError):
+        assert name in ("malformed-json", "not-utf8")
+        return
+    assert name not in ("malformed-json", "not-utf8")
+    if name == "huge-stop-strings":
+        assert len(body["stop"]) == 2 and all(len(s) >= 1_000_000 for s in body["stop"])
+    if name == "over-long-prompt":
+        assert len(body["prompt"]) > SERVED.max_model_len
+    if name == "too-many-logit-bias":
+        assert len(body["logit_bias"]) > 300
+    if name == "negative-max-tokens":
+        assert body["max_tokens"] < 0
+    if name == "unknown-model":
+        assert body["model"] != SERVED.name
+
+
+def test_error_envelopes():
+    good = {"error": {"message": "m", "type": "invalid_request_error", "param": None,
+                      "code": "invalid_value"}}
+    assert envelope_problem(json.dumps(good)) is None
+    assert envelope_problem("Internal Server Error") == "error body is not JSON"
+    assert envelope_problem('{"detail": "nope"}') == "error body has no `error` object"
+    assert "param" in envelope_problem('{"error": {"message": "m", "type": "t", "code": "c"}}')
+    assert envelope_problem('{"error": {"message": "m", "type": "t", "param": null, '
+                            '"code": 400}}') is not None
+
+
+def test_stream_classification():
+    chunk = json.dumps({"choices": [{"delta": {"content": "hi"}}]})
+    err = json.dumps({"error": {"message": "draining", "type": "server_error", "param": None,
+                                "code": "service_unavailable"}})
+    assert classify_stream([chunk, chunk, "[DONE]"]).how == "done"
+    assert classify_stream([chunk, err, "[DONE]"]) == classify_stream([chunk, err, "[DONE]"])
+    end = classify_stream([chunk, err, "[DONE]"])
+    assert (end.how, end.error_code, end.events) == ("error-then-done", "service_unavailable", 3)
+    assert classify_stream([chunk, err]).how == "error-no-done"
+    assert classify_stream([chunk, chunk]).how == "truncated"
+    assert classify_stream([]).how == "truncated"
+    # content that merely mentions "error" is not an error event
+    mention = json.dumps({"choices": [{"delta": {"content": '"error"'}}]})
+    assert classify_stream([mention, "[DONE]"]).how == "done"
+
+
+def _o(kind: str = "chat", started: float = 1.0, ended: float = 2.0, **fields) -> Outcome:
+    return Outcome(kind, fields.pop("bad", False), fields.pop("stream", False), started, ended,
+                   **fields)
+
+
+def test_categories_and_drain_endings():
+    assert category(_o(status=200)) == "ok"
+    assert category(_o(cut=True)) == "client-disconnected"
+    assert category(_o(status=None, problem="no answer")) == "no-answer"
+    assert category(_o(status=400, code="invalid_json", bad=True)) == "4xx:invalid_json"
+    assert category(_o(status=500, problem="HTTP 500")) == "5xx"
+    assert category(_o(status=200, stream=True, stream_end="truncated")) == "stream-truncated"
+    unavailable = _o(status=200, stream=True, stream_end="error-then-done",
+                     code="service_unavailable")
+    assert category(unavailable) == "503" and drain_ending(unavailable) == "service-unavailable"
+    assert drain_ending(_o(status=200, stream=True, stream_end="done")) == "completed"
+    assert drain_ending(_o(status=503, code="service_unavailable")) == "service-unavailable"
+    assert drain_ending(_o(status=400, bad=True, code="invalid_json")) == "refused-bad-input"
+    assert drain_ending(_o(status=None, problem="no answer: ReadError")) == "other"
+
+
+def test_metrics_parsers_and_their_absence():
+    text = """\
+# TYPE seqgate_abort_free_steps histogram
+seqgate_abort_free_steps_bucket{le="1.0"} 5.0
+seqgate_abort_free_steps_bucket{le="3.0"} 9.0
+seqgate_abort_free_steps_bucket{le="10.0"} 10.0
+seqgate_abort_free_steps_bucket{le="+Inf"} 10.0
+seqgate_abort_free_steps_count 10.0
+seqgate_abort_free_steps_sum 21.0
+# TYPE seqgate_request_outcomes counter
+seqgate_request_outcomes_total{route="chat",outcome="finished"} 40.0
+seqgate_request_outcomes_total{route="chat",outcome="client_disconnected"} 4.0
+seqgate_request_outcomes_total{route="completions",outcome="shutdown"} 2.0
+"""
+    samples = parse(text)
+    assert abort_free(samples) == {"within": 9.0, "count": 10.0, "fraction": 0.9, "le": 3.0}
+    assert request_outcomes(samples) == {"chat": {"finished": 40.0, "client_disconnected": 4.0},
+                                         "completions": {"shutdown": 2.0}}
+    assert abort_free({}) is None and request_outcomes({}) is None
+
+
+def test_fuzz_output_parsing():
+    text = """\
+.............                                                            [100%]
+--------------------------- schemathesis: 1068 cases ---------------------------
+     10  document: GET /health
+  document responses by status: 200: 27, 204: 11, 400: 916
+  generation responses by status: 200: 28, 400: 2
+1 failed, 12 passed in 20.02s
+"""
+    parsed = parse_fuzz_output(text)
+    assert parsed == {"cases": 1068, "passed": 12, "failed": 1,
+                      "statuses": {"document": {"200": 27, "204": 11, "400": 916},
+                                   "generation": {"200": 28, "400": 2}}}
+    assert parse_fuzz_output("ERROR: no server")["cases"] == 0
+
+
+def _data(outcomes: list[Outcome], sigterm_at: float = 50.0, **metrics) -> dict:
+    return {
+        "meta": {"command": "python -m bench.soak --duration 60", "started": "t0",
+                 "finished": "t1",
+                 "machine": {"cpu": "cpu", "cores_available": 2, "memory_gib": 8, "os": "Linux",
+                             "load_avg_1m_at_start": 0.1},
+                 "versions": {"seqgate": "0.1.0", "seqgate_git_sha": "abcdef0123456"},
+                 "args": {"concurrency": 16, "duration": 60.0, "drain_timeout": 5.0, "seed": 0}},
+        "server": {"exit_code": 0, "exit_seconds": 3.2, "killed": False, "exit_deadline": 20.0,
+                   "log_errors": []},
+        "rss": {"start": 400 * 2**20, "warm": 500 * 2**20, "end": 510 * 2**20,
+                "warmup_seconds": 6.0, "growth": 0.02},
+        "metrics": {"abort_free": None, "request_outcomes": None, **metrics},
+        "traffic": traffic_summary(outcomes, sigterm_at),
+        "drain": drain_summary(outcomes, sigterm_at),
+        "fuzz": None,
+    }
+
+
+def test_a_clean_run_passes_and_absent_metrics_read_na():
+    outcomes = [_o(status=200), _o(cut=True), _o("bad:malformed-json", bad=True, status=400,
+                                                 code="invalid_json"),
+                _o(started=49.0, ended=51.0, status=200, stream=True, stream_end="done"),
+                _o("probe", 50.3, 50.4, status=503, code="service_unavailable", probe=True)]
+    data = _data(outcomes)
+    verdicts = {t.figure: t.passed for t in targets(data)}
+    assert verdicts["drain probes answered 503 service_unavailable"] is True
+    assert verdicts["aborted slots freed within 3 engine steps"] is None
+    assert all(v is not False for v in verdicts.values())
+    assert data["traffic"]["requests"] == 4 and data["drain"]["in_flight"] == 1
+    text = render(data)
+    assert "python -m bench.soak --duration 60" in text and "FAIL" not in text
+    assert "`seqgate_request_outcomes_total`: n/a" in text and "## Findings\n\nNone." in text
+
+
+def test_findings_fail_their_targets_and_are_quoted():
+    outcomes = [_o(status=500, problem="HTTP 500", body="Internal Server Error"),
+                _o(status=None, problem="no answer: ConnectError"),
+                _o("bad:huge-stop-strings", bad=True, status=200,
+                   problem="bad input accepted (200)"),
+                _o(started=49.0, ended=55.0, status=None, problem="no answer: ReadError")]
+    data = _data(outcomes, abort_free={"within": 3.0, "count": 4.0, "fraction": 0.75})
+    data["rss"]["growth"] = 0.2
+    failed = {t.figure for t in targets(data) if t.passed is False}
+    assert {"5xx answers (other than 503)", "requests with no HTTP answer",
+            "bad inputs not refused with a 4xx error envelope", "RSS growth after warm-up",
+            "in flight at SIGTERM: ended otherwise than completed / 503",
+            "aborted slots freed within 3 engine steps"} <= failed
+    text = render(data)
+    assert "Internal Server Error" in text and "### 5xx answers (1)" in text
+    assert "75.00%" in text
