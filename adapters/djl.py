@@ -14,7 +14,7 @@ from msgspec import UNSET, Struct, UnsetType
 
 from adapters.errors import ApiError
 from adapters.limits import MAX_PROMPTS
-from adapters.openai_params import JobSpec, stop_list
+from adapters.openai_params import JobSpec, check_token_limit, stop_list
 from adapters.openai_types import decode_request
 from adapters.token_text import TokenText
 from engine import ContextLengthExceeded, InvalidParams, JobDelta, SamplingParams
@@ -128,11 +128,12 @@ def djl_params(opts: DjlOptions) -> SamplingParams:
     return params
 
 
-def build_djl_jobs(req: DjlRequest, opts: DjlOptions, tokenizer,
-                   max_model_len: int) -> list[JobSpec]:
+def build_djl_jobs(req: DjlRequest, opts: DjlOptions, tokenizer, max_model_len: int,
+                   max_tokens_limit: int = 0) -> list[JobSpec]:
     """One job per input. The cached prompt is tokenized on its own and put in front, so its ids
     (the prompt-cache key) are the same for every request whatever follows them."""
     inputs = [req.inputs] if isinstance(req.inputs, str) else req.inputs
+    check_token_limit(opts.max_new_tokens, max_tokens_limit, "parameters.max_new_tokens")
     if not inputs or len(inputs) > MAX_PROMPTS:
         raise ApiError.bad_request(f"inputs must hold 1 to {MAX_PROMPTS} strings", param="inputs")
     head = tokenizer.encode(req.cached_prompt) if req.cached_prompt else []

@@ -19,6 +19,7 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -86,6 +87,14 @@ def from_engine_error(exc: Exception) -> ApiError:
 def draining_error() -> ApiError:
     return ApiError(503, "The server is shutting down and accepts no new requests.",
                     "service_unavailable", headers={"Retry-After": str(DRAINING_RETRY_AFTER)})
+
+
+def request_timeout_error(seconds: float) -> ApiError:
+    """The request ran past the server's --request-timeout; its jobs were cancelled. The same
+    request would time out again, so the SDK is told not to retry."""
+    return ApiError(408, f"The request did not finish within this server's request timeout of "
+                    f"{seconds:g} s (--request-timeout) and was cancelled.", "request_timeout",
+                    headers={"x-should-retry": "false"})
 
 
 def generation_error(message: str | None) -> ApiError:

@@ -125,7 +125,8 @@ def render_prompt(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int],
     return ids, len(head) if ids[: len(head)] == head else 0
 
 
-def build_chat_job(req: ChatCompletionRequest, tokenizer, max_model_len: int) -> JobSpec:
+def build_chat_job(req: ChatCompletionRequest, tokenizer, max_model_len: int,
+                   max_tokens_limit: int = 0) -> JobSpec:
     """Translate a chat request into one engine job; raises ApiError before any submission."""
     check_supported(req)
     prompt_ids, prefix_len = render_prompt(tokenizer, template_messages(req.messages))
@@ -134,7 +135,8 @@ def build_chat_job(req: ChatCompletionRequest, tokenizer, max_model_len: int) ->
         requested, param = req.max_completion_tokens, "max_completion_tokens"
     else:
         requested, param = req.max_tokens, "max_tokens"
-    budget = max_tokens_for(requested, len(prompt_ids), max_model_len, param, "messages")
+    budget = max_tokens_for(requested, len(prompt_ids), max_model_len, param, "messages",
+                            max_tokens_limit)
     params = sampling_params(req, max_tokens=budget, logprobs=bool(req.logprobs),
                              top_logprobs=req.top_logprobs or 0)
     return JobSpec(prompt_ids, params, prefix_len)

@@ -86,8 +86,8 @@ def check_supported(req: CompletionRequest) -> None:
                                    param="logprobs")
 
 
-def build_completion_jobs(req: CompletionRequest, tokenizer,
-                          max_model_len: int) -> tuple[list[JobSpec], list[Prompt]]:
+def build_completion_jobs(req: CompletionRequest, tokenizer, max_model_len: int,
+                          max_tokens_limit: int = 0) -> tuple[list[JobSpec], list[Prompt]]:
     """One job per prompt; everything is checked before any job is submitted."""
     check_supported(req)
     prompts = parse_prompts(req.prompt, tokenizer)
@@ -98,7 +98,8 @@ def build_completion_jobs(req: CompletionRequest, tokenizer,
     requested = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     jobs = []
     for p in prompts:
-        budget = max_tokens_for(requested, len(p.ids), max_model_len, "max_tokens", "prompt")
+        budget = max_tokens_for(requested, len(p.ids), max_model_len, "max_tokens", "prompt",
+                                max_tokens_limit)
         params = sampling_params(req, max_tokens=budget, logprobs=req.logprobs is not None,
                                  top_logprobs=req.logprobs or 0)
         jobs.append(JobSpec(p.ids, params))

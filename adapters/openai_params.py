@@ -121,18 +121,30 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: bool = Fa
 
 
 def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int,
-                   param: str, prompt_param: str) -> int:
-    """The completion budget: as asked, or (None) whatever the context has left, like vLLM.
+                   param: str, prompt_param: str, limit: int = 0) -> int:
+    """The completion budget: as asked, or (None) whatever the context has left, like vLLM;
+    never more than the server's `limit` (--max-tokens-limit; 0: none).
 
-    Raises ApiError(400, context_length_exceeded) when the prompt and budget do not fit.
+    Raises ApiError(400) when the request asks for more than the limit, and
+    ApiError(400, context_length_exceeded) when the prompt and budget do not fit.
     """
     if requested is not None and requested < 1:
         raise ApiError.bad_request(f"{param} must be >= 1, got {requested}", param=param)
+    check_token_limit(requested, limit, param)
     budget = requested if requested is not None else max(max_model_len - prompt_len, 1)
+    if limit:
+        budget = min(budget, limit)
     if prompt_len + budget > max_model_len:
         exc = ContextLengthExceeded(prompt_len, budget, max_model_len, prompt_param)
         raise ApiError(400, str(exc), "context_length_exceeded", prompt_param)
     return budget
+
+
+def check_token_limit(requested: int | None, limit: int, param: str) -> None:
+    """400 when a request asks to generate more than the server allows (0: no limit)."""
+    if limit and requested is not None and requested > limit:
+        raise ApiError.bad_request(f"{param} must be at most {limit} on this server "
+                                   f"(--max-tokens-limit), got {requested}", param=param)
 
 
 def openai_finish_reason(reason: str | None) -> str | None:

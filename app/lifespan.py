@@ -16,13 +16,17 @@ warmed before the lifespan returns, and left running at shutdown: its owner stop
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
+import anyio.to_thread
+from anyio import CapacityLimiter
 from litestar import Litestar
 from litestar.di import NamedDependency
 
@@ -34,6 +38,11 @@ from app.version import __version__
 from engine import Engine, EngineConfig, SamplingParams
 
 log = logging.getLogger("seqgate.app")
+
+T = TypeVar("T")
+# Threads that prepare requests. Two: one large body never blocks the small ones behind it, and
+# more would only take cores from the engine.
+PREP_THREADS = 2
 
 
 @dataclass
@@ -52,6 +61,7 @@ class GatewayState:
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     # How the lifespan builds the engine from the settings (tests hold the load on a gate).
     build_engine: Callable[[EngineConfig], Engine] = Engine
+    _prep_limiter: CapacityLimiter | None = None
 
     @property
     def model_name(self) -> str:
@@ -63,6 +73,10 @@ class GatewayState:
         cfg = self.settings.engine
         key = f"{__version__}:{self.model_name}:{cfg.dtype}:{cfg.decoding_strategy}"
         return "fp_" + hashlib.sha256(key.encode()).hexdigest()[:10]
+
+    @property
+    def request_timeout(self) -> float | None:
+        return self.settings.server.request_timeout or None
 
     @property
     def accepting(self) -> bool:
@@ -89,6 +103,15 @@ class GatewayState:
                            "service_unavailable")
         raise ApiError(503, "The model is still loading; retry shortly.", "service_unavailable",
                        headers={"Retry-After": str(LOADING_RETRY_AFTER)})
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run request preparation (JSON decoding, chat templates, tokenization) on a small pool
+        of threads: its cost grows with the body, and on the event loop a 4 MiB body would
+        stall every open stream."""
+        if self._prep_limiter is None:  # created on the loop that uses it
+            self._prep_limiter = CapacityLimiter(PREP_THREADS)
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args),
+                                              limiter=self._prep_limiter)
 
     def use_engine(self, engine: Engine) -> None:
         self.engine = engine

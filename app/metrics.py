@@ -65,8 +65,17 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         self._engine: Engine | None = None
         self.registry.register(_EngineCollector(lambda: self._engine))
-        self.requests = Counter("seqgate_http_requests", "HTTP responses by route and status",
+        self.requests = Counter("seqgate_http_requests", "HTTP responses by route and status "
+                                "(a stream counts its status when it starts)",
                                 ["route", "status"], registry=self.registry)
+        self.outcomes = Counter("seqgate_request_outcomes", "Requests that reached the engine, "
+                                "by how they ended: finished, client_disconnected, failed, "
+                                "timed_out, shutdown", ["route", "outcome"],
+                                registry=self.registry)
+        self.abort_free_steps = Histogram("seqgate_abort_free_steps", "Engine steps from an "
+                                          "abort request (client gone, deadline) to its batch "
+                                          "slots being free", buckets=(0, 1, 2, 3, 5, 10, 100),
+                                          registry=self.registry)
         self.sub_batches = Histogram("seqgate_step_sub_batches", "Sub-batches (forward calls) "
                                      "per decode step", buckets=(1, 2, 3, 4, 6, 8, 16),
                                      registry=self.registry)
@@ -91,10 +100,15 @@ class GatewayMetrics:
         engine.add_step_listener(self.on_step)
 
     def on_step(self, stats: StepStats) -> None:  # engine thread
+        for steps in stats.abort_free_steps:
+            self.abort_free_steps.observe(steps)
         if stats.sub_batches:
             self.sub_batches.observe(stats.sub_batches)
             self.sparsity.observe(stats.sparsity)
         self.step_seconds.observe(stats.prefill_seconds + stats.decode_seconds)
+
+    def count_outcome(self, route: str, outcome: str) -> None:
+        self.outcomes.labels(route, outcome).inc()
 
     def count_response(self, route: str, status: int) -> None:
         self.requests.labels(route, str(status)).inc()

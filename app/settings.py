@@ -44,6 +44,11 @@ class ServerSettings:
     sse_ping_seconds: float = 15.0  # keep-alive comment interval on idle streams
     drain_timeout: float = 300.0  # seconds SIGTERM waits for running jobs before exiting anyway
     warmup: bool = True  # run one 1-token job before /health turns 200
+    # Operator limits (0 = off): generated tokens per request (off: up to the context), seconds
+    # a request may take from arrival to its last token, open requests per API key.
+    max_tokens_limit: int = 0
+    request_timeout: float = 0.0
+    max_concurrent_per_key: int = 0
 
 
 @dataclass(frozen=True)
@@ -184,6 +189,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("sse_ping_seconds", "server", _float(0.1), (), "--sse-ping-seconds"),
     Option("drain_timeout", "server", _float(0.0), (), "--drain-timeout"),
     Option("warmup", "server", _bool, (), None),
+    Option("max_tokens_limit", "server", _int(0), ("option.max_tokens_limit",),
+           "--max-tokens-limit", "most tokens one request may generate (0: up to the context)"),
+    Option("request_timeout", "server", _float(0.0), ("option.request_timeout",),
+           "--request-timeout", "seconds a request may run before it is cancelled (0: no limit)"),
+    Option("max_concurrent_per_key", "server", _int(0), (), "--max-concurrent-per-key",
+           "open requests per API key; more get 429 (0: no limit; needs API keys)"),
 )
 
 _BY_DJL = {key: opt for opt in OPTIONS for key in opt.djl}

@@ -22,7 +22,12 @@ from litestar import Request
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
-from adapters.errors import ApiError, from_engine_error, generation_error
+from adapters.errors import (
+    ApiError,
+    from_engine_error,
+    generation_error,
+    request_timeout_error,
+)
 from adapters.openai_params import JobSpec
 from app.metrics import GatewayMetrics
 from engine import Engine, JobDelta, JobHandle
@@ -51,15 +56,25 @@ def submit_all(engine: Engine, specs: list[JobSpec], prompt_param: str) -> list[
 
 
 class JobStream:
-    """The merged deltas of one request's jobs, tagged with the job's position in the request."""
+    """The merged deltas of one request's jobs, tagged with the job's position in the request.
+
+    Owns the request's deadline (`timeout`, seconds from `started`; None: none) and its outcome,
+    counted once when the stream is closed: finished, failed, shutdown (the engine stopped the
+    job), timed_out, or client_disconnected (closed before every job ended).
+    """
 
     def __init__(self, engine: Engine, handles: list[JobHandle], metrics: GatewayMetrics,
-                 started: float):
+                 started: float, route: str, timeout: float | None = None):
         self.engine, self.handles, self.metrics, self.started = engine, handles, metrics, started
+        self.route = route
+        self.timeout = timeout
+        self.deadline = started + timeout if timeout else None
         self._queue: asyncio.Queue = asyncio.Queue()
         self._open = len(handles)
         self._finished: set[int] = set()
         self._first_token: dict[tuple[int, int], float] = {}
+        self._failure: str | None = None  # failed | shutdown | timed_out
+        self._closed = False
         self._pumps = [asyncio.create_task(self._pump(i, h)) for i, h in enumerate(handles)]
 
     async def _pump(self, i: int, handle: JobHandle) -> None:
@@ -80,14 +95,35 @@ class JobStream:
                 delta.completion_tokens > 1:
             self.metrics.tpot.observe((now - self._first_token[key]) /
                                       (delta.completion_tokens - 1))
+        if delta.finish_reason == "error":
+            self._failure = "failed"
+        elif delta.finish_reason == "abort" and self._failure is None:
+            self._failure = "shutdown"  # we did not abort it (we would have closed first)
+
+    def _time_out(self) -> None:
+        self._failure = "timed_out"
+        self.close()
+        raise request_timeout_error(self.timeout)
 
     async def next(self, timeout: float | None = None) -> tuple[int, JobDelta] | None:
         """The next (job position, delta); None once every job has ended.
 
-        Raises TimeoutError when nothing arrives within `timeout` (the stream stays usable).
+        Raises TimeoutError when nothing arrives within `timeout` (the stream stays usable), and
+        ApiError(408) once the request's deadline has passed (its jobs are aborted).
         """
         while self._open:
-            i, item = await asyncio.wait_for(self._queue.get(), timeout)
+            wait = timeout
+            if self.deadline is not None:
+                left = self.deadline - time.perf_counter()
+                if left <= 0:
+                    self._time_out()
+                wait = left if wait is None else min(wait, left)
+            try:
+                i, item = await asyncio.wait_for(self._queue.get(), wait)
+            except TimeoutError:
+                if self.deadline is not None and time.perf_counter() >= self.deadline:
+                    self._time_out()
+                raise
             if item is _DONE:
                 self._open -= 1
                 self._finished.add(i)
@@ -97,12 +133,18 @@ class JobStream:
         return None
 
     def close(self) -> None:
-        """Abort whatever is still running (client gone, or the response failed)."""
+        """Abort whatever is still running (client gone, or the response failed); count the
+        request's outcome (once)."""
+        if self._closed:
+            return
+        self._closed = True
         for i, h in enumerate(self.handles):
             if i not in self._finished:
                 self.engine.abort(h.job_id)
         for task in self._pumps:
             task.cancel()
+        outcome = self._failure or ("finished" if not self._open else "client_disconnected")
+        self.metrics.count_outcome(self.route, outcome)
 
 
 def _failed(delta: JobDelta) -> ApiError | None:
@@ -146,6 +188,7 @@ def _data(obj: object) -> ServerSentEventMessage:
 async def _events(stream: JobStream, start: Iterable[object],
                   on_delta: Callable[[int, JobDelta], list], finish: Callable[[], list],
                   ping_seconds: float) -> AsyncIterator[ServerSentEventMessage]:
+    completed = False
     try:
         for chunk in start:
             yield _data(chunk)
@@ -156,7 +199,11 @@ async def _events(stream: JobStream, start: Iterable[object],
                 # A comment line keeps proxies from cutting a stream during a long prefill.
                 yield ServerSentEventMessage(data=None, comment="ping", sep="\n")
                 continue
+            except ApiError as err:  # the request's deadline passed
+                yield _data(err.body())
+                break
             if item is None:
+                completed = True
                 break
             i, delta = item
             if (err := _failed(delta)) is not None:
@@ -165,7 +212,7 @@ async def _events(stream: JobStream, start: Iterable[object],
                 break
             for chunk in on_delta(i, delta):
                 yield _data(chunk)
-        if item is None:
+        if completed:
             for chunk in finish():
                 yield _data(chunk)
         yield ServerSentEventMessage(data="[DONE]", sep="\n")

@@ -58,6 +58,7 @@ from bench.soak_report import (
 )
 from bench.soak_traffic import (
     CHAT_PATH,
+    MixShares,
     Outcome,
     RequestMix,
     ServedModel,
@@ -87,6 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="send SIGTERM this many seconds before the end of --duration")
     ap.add_argument("--exit-margin", type=float, default=15.0,
                     help="the server must exit within --drain-timeout plus this")
+    ap.add_argument("--bad-share", type=float, default=MixShares.bad,
+                    help="fraction of requests that are bad input")
+    ap.add_argument("--cut-share", type=float, default=MixShares.cut,
+                    help="fraction of requests the client cuts mid-way")
     ap.add_argument("--max-tokens", type=int, default=32,
                     help="cap on each request's max_tokens (small, so requests cycle)")
     ap.add_argument("--max-prompt", type=int, default=512, help="longest ShareGPT prompt, tokens")
@@ -263,12 +268,25 @@ async def drive(server: ServerProcess, mix: RequestMix, args: argparse.Namespace
     return SoakRun(outcomes, rss, metrics, sigterm_at, code, waited, killed)
 
 
+def log_errors(text: str) -> list[str]:
+    """The server log's ERROR lines, each traceback reduced to its exception line."""
+    out, in_traceback = [], False
+    for line in text.splitlines():
+        if line.startswith("Traceback"):
+            in_traceback = True
+        elif in_traceback and line and not line.startswith(" "):
+            out.append("  " + line[:300])
+            in_traceback = False
+        elif re.search(r"\b(ERROR|CRITICAL)\b", line):
+            out.append(line[:300])
+    return out
+
+
 def server_log_errors(log: Path) -> list[str]:
     try:
-        text = log.read_text(errors="replace")
+        return log_errors(log.read_text(errors="replace"))
     except OSError:
         return []
-    return [line[:300] for line in text.splitlines() if " ERROR " in line or "Traceback" in line]
 
 
 def soak(args: argparse.Namespace, argv: list[str] | None) -> dict:
@@ -289,7 +307,9 @@ def soak(args: argparse.Namespace, argv: list[str] | None) -> dict:
         served = ServedModel(server.served_name, int(version.get("max_model_len") or 8192))
         print(f"[soak] seqgate on {server.base_url} ({server.start_seconds:.1f} s to start), "
               f"{args.concurrency} clients for {args.duration:g} s", flush=True)
-        run = asyncio.run(drive(server, RequestMix(exchanges, served, args.seed), args))
+        mix = RequestMix(exchanges, served, args.seed,
+                         MixShares(bad=args.bad_share, cut=args.cut_share))
+        run = asyncio.run(drive(server, mix, args))
     data["server"] = {"start_seconds": server.start_seconds, "exit_code": run.exit_code,
                       "exit_seconds": run.exit_seconds, "killed": run.killed,
                       "exit_deadline": args.drain_timeout + args.exit_margin,

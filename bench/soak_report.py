@@ -19,6 +19,7 @@ from bench.common import markdown_table
 from bench.soak_traffic import Outcome
 
 RSS_GROWTH_LIMIT = 0.05
+BAD_INPUT_SECONDS = 5.0  # refusing bad input is parsing and checks, never queueing for the engine
 ABORT_FREE_STEPS = 3.0
 FUZZ_MIN_CASES = 5000
 SHOWN_PROBLEMS = 25
@@ -77,13 +78,18 @@ def traffic_summary(outcomes: Sequence[Outcome], sigterm_at: float | None) -> di
     by_category = Counter(category(o) for o in sent)
     bad = [o for o in sent if o.bad]
     bad_table = Counter((o.kind.removeprefix("bad:"), o.status, o.code) for o in bad)
+    slowest: dict[tuple, float] = {}
+    for o in bad:
+        key = (o.kind.removeprefix("bad:"), o.status, o.code)
+        slowest[key] = max(slowest.get(key, 0.0), o.ended - o.started)
     early_503 = [o for o in sent if o.status == 503 and sigterm_at is not None
                  and o.ended < sigterm_at]
     return {
         "requests": len(sent),
         "by_category": dict(sorted(by_category.items())),
         "by_kind": dict(sorted(Counter(o.kind for o in sent).items())),
-        "bad_input": [{"input": k, "status": s, "code": c, "count": n}
+        "bad_input": [{"input": k, "status": s, "code": c, "count": n,
+                       "slowest_seconds": slowest[k, s, c]}
                       for (k, s, c), n in sorted(bad_table.items(), key=str)],
         "bad_input_mishandled": [o.to_json() for o in bad if o.problem],
         "server_errors": [o.to_json() for o in sent if category(o) == "5xx"],
@@ -121,6 +127,8 @@ def targets(data: dict) -> list[Target]:
     t, d, rss, server = data["traffic"], data["drain"], data["rss"], data["server"]
     metrics, fuzz = data.get("metrics") or {}, data.get("fuzz")
     endings = d["endings"]
+    slowest_bad = max((b["slowest_seconds"] for b in t["bad_input"]
+                       if b["status"] and 400 <= b["status"] < 500), default=None)
     out = [
         Target("5xx answers (other than 503)", str(len(t["server_errors"])), "0",
                not t["server_errors"]),
@@ -129,6 +137,9 @@ def targets(data: dict) -> list[Target]:
                str(len(t["truncated_streams"])), "0", not t["truncated_streams"]),
         Target("bad inputs not refused with a 4xx error envelope",
                str(len(t["bad_input_mishandled"])), "0", not t["bad_input_mishandled"]),
+        Target("slowest 4xx refusal of bad input", f"{slowest_bad:.2f} s" if slowest_bad is not None
+               else "n/a", f"< {BAD_INPUT_SECONDS:g} s",
+               None if slowest_bad is None else slowest_bad < BAD_INPUT_SECONDS),
         Target("503 before SIGTERM", str(len(t["unavailable_before_sigterm"])), "0",
                not t["unavailable_before_sigterm"]),
         Target("answers judged wrong, all kinds", str(len(t["problems"])), "0",
@@ -240,9 +251,9 @@ def render(data: dict) -> str:
     lines += [f"## Requests by outcome ({t['requests']:,} sent)", "",
               markdown_table(["outcome", "requests"], sorted(t["by_category"].items())), "",
               "Bad input, by what came back:", "",
-              markdown_table(["input", "status", "code", "requests"],
-                             [[b["input"], b["status"] or "none", b["code"] or "-", b["count"]]
-                              for b in t["bad_input"]]), ""]
+              markdown_table(["input", "status", "code", "requests", "slowest (s)"],
+                             [[b["input"], b["status"] or "none", b["code"] or "-", b["count"],
+                               b["slowest_seconds"]] for b in t["bad_input"]]), ""]
     lines += ["## Shutdown drain", "",
               f"{d['in_flight']} requests were in flight at SIGTERM; they ended thus:", "",
               markdown_table(["ending", "requests"], sorted(d["endings"].items())), "",
@@ -267,7 +278,7 @@ def render(data: dict) -> str:
                                   + t["bad_input_mishandled"]], "Other answers judged wrong"))
     server = data["server"]
     if server.get("log_errors"):
-        findings += [f"### Server log: {len(server['log_errors'])} ERROR/Traceback lines", "",
+        findings += [f"### Server log: {len(server['log_errors'])} ERROR and exception lines", "",
                      "```", *server["log_errors"][:SHOWN_PROBLEMS], "```", ""]
     lines += ["## Findings", "", *(findings or ["None.", ""])]
     return "\n".join(lines).rstrip() + "\n"

@@ -141,11 +141,19 @@ class RequestMix:
         self.exchanges, self.served = exchanges, served
         self.shares = shares or MixShares()
         self.rng = random.Random(seed)
+        self._bad_deck: list[str] = []
 
     def next(self) -> SoakRequest:
         if self.rng.random() < self.shares.bad:
-            return bad_request(self.rng.choice(sorted(BAD_INPUTS)), self.served, self.rng)
+            return bad_request(self._next_bad_input(), self.served, self.rng)
         return self.good()
+
+    def _next_bad_input(self) -> str:
+        # Dealt from a shuffled deck rather than drawn: every kind comes up once in each
+        # len(BAD_INPUTS) bad requests, so even a short run sends each of them.
+        if not self._bad_deck:
+            self._bad_deck = self.rng.sample(sorted(BAD_INPUTS), len(BAD_INPUTS))
+        return self._bad_deck.pop()
 
     def good(self) -> SoakRequest:
         rng, shares = self.rng, self.shares

@@ -423,6 +423,7 @@ class Engine:
             cached_prompt_tokens=sum(j.cached_tokens for j in plan.admitted),
             decode_seconds=decode_s,
             prefill_seconds=prefill_s,
+            abort_free_steps=plan.abort_delays,
         )
         self._stats.steps = plan.step
         self._stats.last_step = stats

@@ -66,3 +66,5 @@ class StepStats:
     cached_prompt_tokens: int
     decode_seconds: float
     prefill_seconds: float
+    # Per job aborted this step: engine steps started between its abort request and now.
+    abort_free_steps: list[int] = field(default_factory=list)

@@ -18,6 +18,8 @@ class StepPlan:
 
     step: int
     aborted: list[Job] = field(default_factory=list)  # jobs cancelled this step (queued or running)
+    # For each aborted job: steps since its abort was requested (its slots are free this step).
+    abort_delays: list[int] = field(default_factory=list)
     evicted: list[Sequence] = field(default_factory=list)  # finished rows leaving the batch
     admitted: list[Job] = field(default_factory=list)  # jobs to prefill and join the batch
     prefill_tokens: int = 0
@@ -35,7 +37,7 @@ class Scheduler:
         self.queue = JobQueue(config.job_queue_size)
         self.running: list[Sequence] = []
         self.step = 0
-        self._abort_ids: set[str] = set()
+        self._abort_ids: dict[str, int] = {}  # job id -> the step during which it was asked
         self._abort_lock = threading.Lock()
 
     # -- called from any thread -------------------------------------------------------------
@@ -44,7 +46,7 @@ class Scheduler:
 
     def request_abort(self, job_id: str) -> None:
         with self._abort_lock:
-            self._abort_ids.add(job_id)
+            self._abort_ids.setdefault(job_id, self.step)
 
     def free_slots(self) -> int:
         return self.config.max_rolling_batch_size - len(self.running)
@@ -58,9 +60,9 @@ class Scheduler:
         self.step += 1
         plan = StepPlan(self.step)
         with self._abort_lock:
-            abort_ids, self._abort_ids = self._abort_ids, set()
+            abort_ids, self._abort_ids = self._abort_ids, {}
         running_jobs = {s.job.job_id: s.job for s in self.running}
-        for job_id in abort_ids:
+        for job_id, asked_at in abort_ids.items():
             job = running_jobs.get(job_id)
             if job is None:
                 job = next((j for j in list(self.queue._jobs) if j.job_id == job_id), None)
@@ -70,6 +72,7 @@ class Scheduler:
                 if not s.status.finished:
                     s.status = SeqStatus.ABORT
             plan.aborted.append(job)
+            plan.abort_delays.append(self.step - asked_at - 1)
         plan.evicted = [s for s in self.running if s.status.finished]
         self.running = [s for s in self.running if not s.status.finished]
 

@@ -10,8 +10,16 @@ import msgspec
 from litestar import Controller, Request, Response, get, post
 from litestar.response import Stream
 
-from adapters.djl import DjlAssembler, DjlOutput, DjlRequest, build_djl_jobs, decode_djl
+from adapters.djl import (
+    DjlAssembler,
+    DjlOptions,
+    DjlOutput,
+    DjlRequest,
+    build_djl_jobs,
+    decode_djl,
+)
 from adapters.errors import ApiError
+from adapters.openai_params import JobSpec
 from app.api_docs import documented
 from app.auth import require_api_key
 from app.lifespan import Gateway
@@ -30,10 +38,15 @@ class DjlController(Controller):
                                      errors=("400", "401", "413", "429", "503")))
     async def invocations(self, request: Request, gw: Gateway) -> Response:
         started = time.perf_counter()
-        gw.require_ready()
-        req, opts = decode_djl(await request.body())
-        engine = gw.engine
-        specs = build_djl_jobs(req, opts, engine.tokenizer, engine.max_model_len)
+        engine = gw.require_ready()
+        body = await request.body()
+
+        def prepare() -> tuple[DjlRequest, DjlOptions, list[JobSpec]]:
+            req, opts = decode_djl(body)
+            return req, opts, build_djl_jobs(req, opts, engine.tokenizer, engine.max_model_len,
+                                             gw.settings.server.max_tokens_limit)
+
+        req, opts, specs = await gw.off_loop(prepare)
         inputs = [req.inputs] if isinstance(req.inputs, str) else req.inputs
         jsonlines = bool(req.stream) or gw.settings.server.output_formatter == "jsonlines"
         if jsonlines and not isinstance(req.inputs, str):
@@ -42,7 +55,8 @@ class DjlController(Controller):
         eos = set(engine.eos_ids)
         assemblers = [DjlAssembler(text, opts, gw.token_text, eos) for text in inputs]
         handles = submit_all(engine, specs, "inputs")
-        stream = JobStream(engine, handles, gw.metrics, started)
+        stream = JobStream(engine, handles, gw.metrics, started, "/invocations",
+                           gw.request_timeout)
         if jsonlines:
             return Stream(self._lines(stream, assemblers[0]), media_type="application/jsonlines")
         await collect(stream, request, lambda i, d: assemblers[i].add(d))
@@ -56,6 +70,8 @@ class DjlController(Controller):
             while (item := await stream.next()) is not None:
                 for line in assembler.add(item[1]):
                     yield line
+        except ApiError as err:  # the request's deadline passed: say so on the last line
+            yield msgspec.json.encode(err.body()).decode() + "\n"
         finally:
             stream.close()  # client gone or done: free the slot
 

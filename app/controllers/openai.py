@@ -14,9 +14,10 @@ from adapters.openai_chat import ChatAssembler, ChatChunker, build_chat_job
 from adapters.openai_completions import (
     CompletionAssembler,
     CompletionChunker,
+    Prompt,
     build_completion_jobs,
 )
-from adapters.openai_params import ResponseMeta, check_model
+from adapters.openai_params import JobSpec, ResponseMeta, check_model
 from adapters.openai_types import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -44,13 +45,12 @@ def json_response(obj: object, status: int = 200) -> Response:
                     media_type="application/json")
 
 
-async def parse(request: Request, gw: GatewayState, type_: type[T]) -> T:
-    """Refuse while not ready or draining, then decode the body (unknown fields logged only)."""
-    gw.require_ready()
-    req, unknown = decode_request(await request.body(), type_)
+def decode(request: Request, body: bytes, type_: type[T], served: str) -> T:
+    """Decode a body (unknown fields logged only) and check its model. Runs off the loop."""
+    req, unknown = decode_request(body, type_)
     if unknown:
         log.info("%s: ignoring unknown fields %s", request.url.path, unknown)
-    check_model(getattr(req, "model", None), gw.model_name)
+    check_model(getattr(req, "model", None), served)
     return req
 
 
@@ -66,12 +66,18 @@ class ChatCompletionsController(Controller):
               ChatCompletionRequest, ChatCompletionResponse, stream=ChatCompletionChunk))
     async def create(self, request: Request, gw: Gateway) -> Response:
         started = time.perf_counter()
-        req = await parse(request, gw, ChatCompletionRequest)
-        engine = gw.engine
-        spec = build_chat_job(req, engine.tokenizer, engine.max_model_len)
+        engine = gw.require_ready()
+        body = await request.body()
+
+        def prepare() -> tuple[ChatCompletionRequest, JobSpec]:
+            req = decode(request, body, ChatCompletionRequest, gw.model_name)
+            return req, build_chat_job(req, engine.tokenizer, engine.max_model_len,
+                                    gw.settings.server.max_tokens_limit)
+
+        req, spec = await gw.off_loop(prepare)
         meta = ResponseMeta.new("chatcmpl", gw.model_name, gw.system_fingerprint)
         handles = submit_all(engine, [spec], "messages")
-        stream = JobStream(engine, handles, gw.metrics, started)
+        stream = JobStream(engine, handles, gw.metrics, started, self.path, gw.request_timeout)
         n = spec.params.n
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -95,12 +101,18 @@ class CompletionsController(Controller):
                                      stream=CompletionResponse))
     async def create(self, request: Request, gw: Gateway) -> Response:
         started = time.perf_counter()
-        req = await parse(request, gw, CompletionRequest)
-        engine = gw.engine
-        specs, prompts = build_completion_jobs(req, engine.tokenizer, engine.max_model_len)
+        engine = gw.require_ready()
+        body = await request.body()
+
+        def prepare() -> tuple[CompletionRequest, list[JobSpec], list[Prompt]]:
+            req = decode(request, body, CompletionRequest, gw.model_name)
+            return req, *build_completion_jobs(req, engine.tokenizer, engine.max_model_len,
+                                               gw.settings.server.max_tokens_limit)
+
+        req, specs, prompts = await gw.off_loop(prepare)
         meta = ResponseMeta.new("cmpl", gw.model_name, gw.system_fingerprint)
         handles = submit_all(engine, specs, "prompt")
-        stream = JobStream(engine, handles, gw.metrics, started)
+        stream = JobStream(engine, handles, gw.metrics, started, self.path, gw.request_timeout)
         n, echo, logprobs = specs[0].params.n, bool(req.echo), req.logprobs is not None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

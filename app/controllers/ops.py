@@ -8,17 +8,15 @@ from litestar import Controller, Request, Response, get, post
 
 from adapters.errors import ApiError
 from adapters.openai_chat import render_prompt, template_messages
-from adapters.openai_params import check_model
 from adapters.openai_types import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
-    decode_request,
 )
 from app.api_docs import documented
-from app.auth import require_api_key
-from app.controllers.openai import json_response
+from app.auth import is_authorized, require_api_key
+from app.controllers.openai import decode, json_response
 from app.lifespan import LOADING_RETRY_AFTER, Gateway
 from app.metrics import CONTENT_TYPE
 from app.version import __version__
@@ -38,10 +36,14 @@ class OpsController(Controller):
         headers = {"Retry-After": str(LOADING_RETRY_AFTER)} if status == "loading" else None
         return Response(content={"status": status}, status_code=503, headers=headers)
 
-    @get("/version", operation_id="version", summary="Versions and the engine's configuration")
-    async def version(self, gw: Gateway) -> dict:
+    @get("/version", operation_id="version", summary="Versions and the engine's configuration "
+         "(with API keys set: the configuration only for a caller with a key)")
+    async def version(self, request: Request, gw: Gateway) -> dict:
         import torch
         import transformers
+
+        if not is_authorized(request):
+            return {"version": __version__}
 
         cfg = gw.settings.engine
         engine = gw.engine
@@ -70,15 +72,19 @@ class OpsController(Controller):
                                      errors=("400", "401", "404", "503")))
     async def tokenize(self, request: Request, gw: Gateway) -> Response:
         engine = gw.require_ready()
-        req, _ = decode_request(await request.body(), TokenizeRequest)
-        check_model(req.model, gw.model_name)
-        if (req.prompt is None) == (req.messages is None):
-            raise ApiError.bad_request("send exactly one of prompt or messages", param="prompt")
-        if req.messages is not None:
-            ids, _ = render_prompt(engine.tokenizer, template_messages(req.messages))
-        else:
+        body = await request.body()
+
+        def tokenize() -> list[int]:
+            req = decode(request, body, TokenizeRequest, gw.model_name)
+            if (req.prompt is None) == (req.messages is None):
+                raise ApiError.bad_request("send exactly one of prompt or messages",
+                                           param="prompt")
+            if req.messages is not None:
+                return render_prompt(engine.tokenizer, template_messages(req.messages))[0]
             add = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = engine.tokenizer.encode(req.prompt, add_special_tokens=add)
+            return engine.tokenizer.encode(req.prompt, add_special_tokens=add)
+
+        ids = await gw.off_loop(tokenize)
         return json_response(TokenizeResponse(tokens=ids, count=len(ids),
                                               max_model_len=engine.max_model_len))
 
@@ -88,10 +94,15 @@ class OpsController(Controller):
                                      errors=("400", "401", "404", "503")))
     async def detokenize(self, request: Request, gw: Gateway) -> Response:
         engine = gw.require_ready()
-        req, _ = decode_request(await request.body(), DetokenizeRequest)
-        check_model(req.model, gw.model_name)
-        vocab = len(engine.tokenizer)
-        if bad := [t for t in req.tokens if not 0 <= t < vocab]:
-            raise ApiError.bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                                       param="tokens")
-        return json_response(DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens)))
+        body = await request.body()
+
+        def detokenize() -> str:
+            req = decode(request, body, DetokenizeRequest, gw.model_name)
+            vocab = len(engine.tokenizer)
+            if bad := [t for t in req.tokens if not 0 <= t < vocab]:
+                raise ApiError.bad_request(f"token id {bad[0]} is outside the vocabulary "
+                                           f"[0, {vocab})", param="tokens")
+            return engine.tokenizer.decode(req.tokens)
+
+        text = await gw.off_loop(detokenize)
+        return json_response(DetokenizeResponse(prompt=text))

@@ -10,7 +10,7 @@ import pytest
 
 from bench.scrape import parse
 from bench.sharegpt import Request
-from bench.soak import abort_free, parse_fuzz_output, request_outcomes
+from bench.soak import abort_free, log_errors, parse_fuzz_output, request_outcomes
 from bench.soak_report import (
     category,
     drain_ending,
@@ -222,14 +222,37 @@ def test_findings_fail_their_targets_and_are_quoted():
                 _o(status=None, problem="no answer: ConnectError"),
                 _o("bad:huge-stop-strings", bad=True, status=200,
                    problem="bad input accepted (200)"),
-                _o(started=49.0, ended=55.0, status=None, problem="no answer: ReadError")]
+                _o(started=49.0, ended=55.0, status=None, problem="no answer: ReadError"),
+                _o("bad:json-array", 10.0, 19.0, bad=True, status=400, code="invalid_type")]
     data = _data(outcomes, abort_free={"within": 3.0, "count": 4.0, "fraction": 0.75})
     data["rss"]["growth"] = 0.2
     failed = {t.figure for t in targets(data) if t.passed is False}
     assert {"5xx answers (other than 503)", "requests with no HTTP answer",
             "bad inputs not refused with a 4xx error envelope", "RSS growth after warm-up",
             "in flight at SIGTERM: ended otherwise than completed / 503",
-            "aborted slots freed within 3 engine steps"} <= failed
+            "aborted slots freed within 3 engine steps",
+            "slowest 4xx refusal of bad input"} <= failed
     text = render(data)
     assert "Internal Server Error" in text and "### 5xx answers (1)" in text
     assert "75.00%" in text
+
+
+def test_every_bad_input_comes_up_once_per_round():
+    reqs = _draw(2 * len(BAD_INPUTS), bad=1.0)
+    first, second = reqs[:len(BAD_INPUTS)], reqs[len(BAD_INPUTS):]
+    assert {r.kind for r in first} == {r.kind for r in second} == {f"bad:{n}" for n in BAD_INPUTS}
+
+
+def test_server_log_errors_name_the_exception():
+    log = """\
+INFO:     127.0.0.1:1 - "POST /v1/chat/completions HTTP/1.1" 200 OK
+ERROR - 2026-11-23 13:24:16,944 - seqgate.app.errors - unhandled error on POST /v1/chat/completions
+Traceback (most recent call last):
+  File "adapters/openai_types.py", line 277, in decode_request
+    raw = msgspec.json.decode(body)
+UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff in position 0
+INFO:     127.0.0.1:1 - "POST /v1/chat/completions HTTP/1.1" 500 Internal Server Error
+"""
+    errors = log_errors(log)
+    assert len(errors) == 2 and "unhandled error" in errors[0]
+    assert errors[1].strip().startswith("UnicodeDecodeError")

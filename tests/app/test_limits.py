@@ -1,0 +1,160 @@
+"""The limits an operator sets: tokens per request, a deadline per request, open requests per API
+key, what /version tells a caller without a key, the start-up warning, and the request outcomes
+that /metrics counts."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.__main__ import warn_if_exposed
+from app.factory import create_app
+from app.settings import ServerSettings, Settings
+from tests.app.conftest import API_KEYS, LiveServer, settings, start_server
+from tests.app.sse import read_stream
+
+pytestmark = pytest.mark.slow
+
+CHAT = "/v1/chat/completions"
+LONG = {"messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 2000,
+        "temperature": 0, "ignore_eos": True}
+
+
+def error_of(r: httpx.Response) -> dict:
+    return r.json()["error"]
+
+
+def wait_idle(srv: LiveServer, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while srv.engine.stats().running or srv.engine.stats().queued:
+        assert time.monotonic() < deadline, "the engine kept the aborted job"
+        time.sleep(0.02)
+
+
+def metric(srv: LiveServer, name: str, **labels: str) -> float:
+    """One sample of the server's /metrics (0 when absent)."""
+    text = httpx.get(srv.url + "/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def limited_server(gateway_engine) -> Iterator[LiveServer]:
+    srv = start_server(create_app(settings(max_tokens_limit=5), engine=gateway_engine))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def timeout_server(gateway_engine) -> Iterator[LiveServer]:
+    srv = start_server(create_app(settings(request_timeout=0.5), engine=gateway_engine))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed_server(gateway_engine) -> Iterator[LiveServer]:
+    srv = start_server(create_app(settings(api_keys=API_KEYS, max_concurrent_per_key=1),
+                                  engine=gateway_engine))
+    yield srv
+    srv.stop()
+
+
+def test_max_tokens_limit_caps_and_refuses(limited_server):
+    with httpx.Client(base_url=limited_server.url, timeout=60) as c:
+        r = c.post(CHAT, json={**LONG, "max_tokens": 6})
+        assert r.status_code == 400 and error_of(r)["param"] == "max_tokens"
+        assert "--max-tokens-limit" in error_of(r)["message"]
+        r = c.post(CHAT, json={"messages": LONG["messages"], "temperature": 0,
+                               "ignore_eos": True})  # no max_tokens: the limit, not the context
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 5
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 50})
+        assert r.status_code == 400 and error_of(r)["param"] == "max_tokens"
+        r = c.post("/invocations", json={"inputs": "x", "parameters": {"max_new_tokens": 50}})
+        assert r.status_code == 400
+        assert error_of(r)["param"] == "parameters.max_new_tokens"
+
+
+def test_request_timeout_cancels_the_job(timeout_server):
+    """A request still generating at --request-timeout is aborted: JSON gets 408, a stream an
+    error event then [DONE]; the slot is free and the outcome is counted as timed_out. (2,000
+    tokens take tens of seconds here: the 0.5 s deadline always comes first.)"""
+    srv = timeout_server
+    before = metric(srv, "seqgate_request_outcomes_total", route=CHAT, outcome="timed_out")
+    t0 = time.monotonic()
+    r = httpx.post(srv.url + CHAT, json=LONG, timeout=60)
+    assert time.monotonic() - t0 < 5
+    assert r.status_code == 408, r.text
+    assert error_of(r)["code"] == "request_timeout"
+    assert r.headers["x-should-retry"] == "false"
+    with httpx.stream("POST", srv.url + CHAT, json={**LONG, "stream": True}, timeout=60) as r:
+        raw = read_stream(r)
+    assert raw.done and raw.events[-1]["error"]["code"] == "request_timeout"
+    wait_idle(srv)
+    after = metric(srv, "seqgate_request_outcomes_total", route=CHAT, outcome="timed_out")
+    assert after == before + 2
+
+
+def test_open_requests_per_key_are_capped(keyed_server):
+    srv = keyed_server
+    one, two = ({"Authorization": f"Bearer {k}"} for k in API_KEYS)
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        with c.stream("POST", CHAT, json={**LONG, "stream": True}, headers=one) as held:
+            next(line for line in held.iter_lines() if line.startswith("data: {"))
+            refused = c.post(CHAT, json={**LONG, "max_tokens": 2}, headers=one)
+            assert refused.status_code == 429, refused.text
+            assert error_of(refused)["code"] == "rate_limit_exceeded"
+            assert refused.headers["retry-after"] == "1"
+            other = c.post(CHAT, json={**LONG, "max_tokens": 2}, headers=two)
+            assert other.status_code == 200, other.text  # another key is not affected
+            assert c.post(CHAT, json=LONG).status_code == 401  # no key: the guard answers
+        wait_idle(srv)
+        again = c.post(CHAT, json={**LONG, "max_tokens": 2}, headers=one)
+        assert again.status_code == 200, again.text
+
+
+def test_version_shows_settings_only_to_key_holders(keyed_server):
+    anonymous = httpx.get(keyed_server.url + "/version").json()
+    assert set(anonymous) == {"version"}
+    full = httpx.get(keyed_server.url + "/version",
+                     headers={"Authorization": f"Bearer {API_KEYS[0]}"}).json()
+    assert full["engine"]["max_rolling_batch_size"] == 8 and full["model"]
+
+
+def test_outcomes_and_abort_latency_are_counted(live_server):
+    srv = live_server
+    finished = metric(srv, "seqgate_request_outcomes_total", route=CHAT, outcome="finished")
+    gone = metric(srv, "seqgate_request_outcomes_total", route=CHAT,
+                  outcome="client_disconnected")
+    aborts = metric(srv, "seqgate_abort_free_steps_count")
+    ok = httpx.post(srv.url + CHAT, json={**LONG, "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
+    with httpx.stream("POST", srv.url + CHAT, json={**LONG, "stream": True}, timeout=60) as r:
+        next(line for line in r.iter_lines() if line.startswith("data: {"))
+    wait_idle(srv)
+    assert metric(srv, "seqgate_request_outcomes_total", route=CHAT,
+                  outcome="finished") == finished + 1
+    assert metric(srv, "seqgate_request_outcomes_total", route=CHAT,
+                  outcome="client_disconnected") == gone + 1
+    assert metric(srv, "seqgate_abort_free_steps_count") == aborts + 1
+    assert metric(srv, "seqgate_abort_free_steps_bucket", le="3.0") == aborts + 1
+
+
+@pytest.mark.parametrize(("host", "keys", "warned"), [
+    ("0.0.0.0", (), True), ("192.0.2.7", (), True), ("example.org", (), True),
+    ("0.0.0.0", ("k",), False), ("127.0.0.1", (), False), ("::1", (), False),
+    ("localhost", (), False)])
+def test_warning_when_listening_beyond_loopback_without_keys(caplog, host, keys, warned):
+    caplog.set_level(logging.WARNING, logger="seqgate")
+    warn_if_exposed(Settings(server=ServerSettings(host=host, api_keys=keys)))
+    assert ("without API keys" in caplog.text) == warned
