@@ -15,7 +15,7 @@ openapi:
 	$(PYTHON) -m openapi.generate
 openapi-check:
 	$(PYTHON) -m openapi.generate --check
-	$(PYTHON) -m openapi.validate
+	$(PYTHON) -m openapi.checks.validate
 
 # Serving benchmark: seqgate vs transformers serve (with and without continuous batching), the
 # prompt-cache and splitting scenarios, greedy agreement; writes bench/results/serving.json and

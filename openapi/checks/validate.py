@@ -1,8 +1,9 @@
 """Check our OpenAPI document: a valid OpenAPI 3.1 document, and compatible with OpenAI's API.
 
-`python -m openapi.validate [DOCUMENT] [--reference OPENAI_OPENAPI_JSON]` validates the document
-with openapi-spec-validator, then compares each operation we share with OpenAI (`CONTRACT`) against
-the official schema: same field names and JSON types for what we support (see openapi/compat.py).
+`python -m openapi.checks.validate [DOCUMENT] [--reference OPENAI_OPENAPI_JSON]` validates the
+document with openapi-spec-validator, then compares each operation we share with OpenAI
+(`CONTRACT`) against the official schema: same field names and JSON types for what we support
+(see openapi/checks/compat.py).
 Exit 1 when anything disagrees.
 """
 
@@ -16,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from openapi.compat import Comparison, Direction, compare
+from openapi.checks.compat import Comparison, Direction, compare
 from openapi.generate import DOCUMENT
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # CI clones the repository with the shared/ folder beside it.
 OPENAI_REFERENCE = REPO.parent / "shared" / "reference" / "openai-openapi" / "openapi.json"
 
@@ -134,7 +135,8 @@ def check_contract(contract: Contract, document: Schema, reference: Schema) -> C
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m openapi.validate", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m openapi.checks.validate",
+                                     description=__doc__)
     parser.add_argument("document", nargs="?", type=Path, default=DOCUMENT)
     parser.add_argument("--reference", type=Path, default=OPENAI_REFERENCE,
                         help="OpenAI's openapi.json (default: %(default)s)")
