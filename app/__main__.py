@@ -113,6 +113,8 @@ def serve(settings: Settings) -> int:
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.server.host, port=settings.server.port,
                             log_level=settings.server.log_level, lifespan="on",
+                            proxy_headers=True,
+                            forwarded_allow_ips=settings.server.forwarded_allow_ips,
                             timeout_graceful_shutdown=max(settings.server.drain_timeout, 1))
     server = DrainingServer(config, app.state.gateway)
     server.run()

@@ -49,6 +49,8 @@ class ServerSettings:
     max_tokens_limit: int = 0
     request_timeout: float = 0.0
     max_concurrent_per_key: int = 0
+    # Proxies whose X-Forwarded-For / X-Forwarded-Proto are trusted (uvicorn's forwarded_allow_ips).
+    forwarded_allow_ips: str = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,8 @@ OPTIONS: tuple[Option, ...] = (
            "--request-timeout", "seconds a request may run before it is cancelled (0: no limit)"),
     Option("max_concurrent_per_key", "server", _int(0), (), "--max-concurrent-per-key",
            "open requests per API key; more get 429 (0: no limit; needs API keys)"),
+    Option("forwarded_allow_ips", "server", lambda v: v.strip(), (), "--forwarded-allow-ips",
+           "comma-separated proxy addresses whose X-Forwarded-* headers are trusted ('*': any)"),
 )
 
 _BY_DJL = {key: opt for opt in OPTIONS for key in opt.djl}
