@@ -275,7 +275,7 @@ def decode_request(body: bytes, type_: type[T]) -> tuple[T, list[str]]:
     """
     try:
         raw = msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # JSON text is UTF-8
         raise ApiError.bad_request(f"The request body is not valid JSON: {exc}",
                                    code="invalid_json") from None
     if not isinstance(raw, dict):

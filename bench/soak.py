@@ -46,8 +46,8 @@ import httpx
 from transformers import AutoTokenizer
 
 from bench import provenance
-from bench.scrape import Samples, scrape
-from bench.servers import SEQGATE, ServerProcess, local_model_dir
+from bench.scrape import Samples, histogram_delta, scrape
+from bench.servers import SEQGATE, CpuAccount, RssSampler, ServerProcess, local_model_dir
 from bench.sharegpt import load_requests
 from bench.soak_report import (
     ABORT_FREE_STEPS,
@@ -74,7 +74,8 @@ RESULTS = REPO / "bench" / "results"
 # by one case each); 550 gives about 5,350, a margin over the 5,000 target. The generation run's
 # cases each run the model, so this takes a while on a CPU.
 DEFAULT_FUZZ_EXAMPLES = 550
-PROBE_DELAYS = (0.3, 0.6, 0.9)  # seconds after SIGTERM: late enough for the handler to have run
+PROBE_DELAYS = (0.3, 0.6, 0.9)
+RSS_SERIES_SECONDS = 5.0  # seconds after SIGTERM: late enough for the handler to have run
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -151,7 +152,17 @@ def engine_metrics(base_url: str) -> dict:
     except httpx.HTTPError as exc:
         return {"error": f"{type(exc).__name__}: {exc}", "abort_free": None,
                 "request_outcomes": None}
-    return {"abort_free": abort_free(samples), "request_outcomes": request_outcomes(samples)}
+    return {"abort_free": abort_free(samples), "request_outcomes": request_outcomes(samples),
+            # how much work the engine did: a stall with steps running is not one without
+            "engine_steps": samples.get("seqgate_engine_steps_total"),
+            "generated_tokens": samples.get("seqgate_generated_tokens_total"),
+            "prompt_tokens": samples.get("seqgate_prompt_tokens_total"),
+            # what the engine itself holds, to set against the RSS growth
+            "prompt_cache_bytes": samples.get("seqgate_prompt_cache_bytes"),
+            "kv_cache_bytes": samples.get("seqgate_kv_cache_bytes"),
+            "kv_cache_peak_bytes": samples.get("seqgate_kv_cache_peak_bytes"),
+            "step_seconds": histogram_delta({}, samples, "seqgate_step_seconds")
+            if "seqgate_step_seconds_count" in samples else None}
 
 
 # -- schemathesis -----------------------------------------------------------------------------
@@ -203,6 +214,7 @@ class SoakRun:
     exit_code: int | None
     exit_seconds: float | None
     killed: bool
+    cpu: dict  # CpuAccount: server, load generator and other processes, in cores
 
 
 def wait_for_exit(proc: subprocess.Popen, deadline: float) -> tuple[int | None, float, bool]:
@@ -232,6 +244,14 @@ async def probe_drain(client: httpx.AsyncClient, model: str | None, t0: float,
     return probes
 
 
+async def sample_rss(server: ServerProcess, stop: asyncio.Event, t0: float,
+                     series: list[tuple[float, int]], every: float = RSS_SERIES_SECONDS) -> None:
+    """(seconds, RSS) every `every` seconds until `stop`: whether growth levels off."""
+    while not stop.is_set():
+        series.append((round(time.perf_counter() - t0, 1), await asyncio.to_thread(server.rss)))
+        await asyncio.sleep(every)
+
+
 async def drive(server: ServerProcess, mix: RequestMix, args: argparse.Namespace) -> SoakRun:
     """Load, RSS readings, the /metrics scrape, SIGTERM with requests in flight, the drain."""
     outcomes: list[Outcome] = []
@@ -245,12 +265,16 @@ async def drive(server: ServerProcess, mix: RequestMix, args: argparse.Namespace
         t0 = time.perf_counter()
         clients = [asyncio.create_task(client_loop(client, mix, stop, outcomes, t0))
                    for _ in range(args.concurrency)]
-        await asyncio.sleep(rss["warmup_seconds"])
-        rss["warm"] = await asyncio.to_thread(server.rss)
-        print(f"  warm-up over: {len(outcomes)} requests done, RSS {rss['warm'] / 2**20:.0f} MiB",
-              flush=True)
-        await asyncio.sleep(max(0.0, t0 + args.duration - args.drain_lead - time.perf_counter()))
-        rss["end"] = await asyncio.to_thread(server.rss)
+        series = asyncio.create_task(sample_rss(server, stop, t0, rss.setdefault("series", [])))
+        with CpuAccount(server.pid) as cpu, RssSampler(server.pid, interval=1.0) as sampler:
+            await asyncio.sleep(rss["warmup_seconds"])
+            rss["warm"] = await asyncio.to_thread(server.rss)
+            rss["warmup_answers"] = sum(o.status is not None for o in outcomes)
+            print(f"  warm-up over: {len(outcomes)} requests done, "
+                  f"RSS {rss['warm'] / 2**20:.0f} MiB", flush=True)
+            await asyncio.sleep(max(0.0, t0 + args.duration - args.drain_lead
+                                    - time.perf_counter()))
+        rss["end"], rss["peak"] = await asyncio.to_thread(server.rss), sampler.peak
         metrics = await asyncio.to_thread(engine_metrics, server.base_url)
         stop.set()
         sigterm_at = time.perf_counter() - t0
@@ -260,12 +284,18 @@ async def drive(server: ServerProcess, mix: RequestMix, args: argparse.Namespace
         code, waited, killed = await asyncio.to_thread(
             wait_for_exit, server.proc, args.drain_timeout + args.exit_margin)
         # The server is gone: every client's last request has ended one way or another.
-        await asyncio.wait([*clients, probes], timeout=30.0)
-        for task in clients:
+        series.cancel()
+        _, pending = await asyncio.wait([*clients, probes], timeout=30.0)
+        for task in pending:
             task.cancel()
+            if task is not probes:
+                now = time.perf_counter() - t0
+                outcomes.append(Outcome("unfinished", False, False, sigterm_at, now,
+                                        problem="client still waiting 30 s after the server "
+                                                "exited"))
         outcomes += probes.result() if probes.done() else []
     rss["growth"] = (rss["end"] - rss["warm"]) / rss["warm"] if rss.get("warm") else None
-    return SoakRun(outcomes, rss, metrics, sigterm_at, code, waited, killed)
+    return SoakRun(outcomes, rss, metrics, sigterm_at, code, waited, killed, cpu.to_json())
 
 
 def log_errors(text: str) -> list[str]:
@@ -316,6 +346,7 @@ def soak(args: argparse.Namespace, argv: list[str] | None) -> dict:
                       "max_model_len": served.max_model_len, "log": str(log),
                       "log_errors": server_log_errors(log)}
     data["rss"] = run.rss
+    data["cpu"] = run.cpu
     data["metrics"] = run.metrics
     data["traffic"] = traffic_summary(run.outcomes, run.sigterm_at)
     data["drain"] = drain_summary(run.outcomes, run.sigterm_at)

@@ -19,6 +19,7 @@ from bench.common import markdown_table
 from bench.soak_traffic import Outcome
 
 RSS_GROWTH_LIMIT = 0.05
+STALL_SECONDS = 30.0  # with clients waiting, this long without a single answer is a stall
 BAD_INPUT_SECONDS = 5.0  # refusing bad input is parsing and checks, never queueing for the engine
 ABORT_FREE_STEPS = 3.0
 FUZZ_MIN_CASES = 5000
@@ -72,6 +73,16 @@ class Target:
     passed: bool | None
 
 
+def longest_silence(outcomes: Sequence[Outcome], until: float) -> float:
+    """The longest stretch in [0, until] in which the server answered nothing (client cuts and
+    unanswered requests prove no progress): a closed loop always has requests waiting, so a long
+    silence is a stalled server, whatever else the figures say."""
+    ends = sorted(o.ended for o in outcomes
+                  if not o.probe and not o.cut and o.status is not None and o.ended <= until)
+    marks = [0.0, *ends, until]
+    return max(b - a for a, b in zip(marks, marks[1:]))
+
+
 def traffic_summary(outcomes: Sequence[Outcome], sigterm_at: float | None) -> dict:
     """Requests by outcome and the findings among them (probes are reported with the drain)."""
     sent = [o for o in outcomes if not o.probe]
@@ -84,9 +95,13 @@ def traffic_summary(outcomes: Sequence[Outcome], sigterm_at: float | None) -> di
         slowest[key] = max(slowest.get(key, 0.0), o.ended - o.started)
     early_503 = [o for o in sent if o.status == 503 and sigterm_at is not None
                  and o.ended < sigterm_at]
+    last = sigterm_at if sigterm_at is not None else max((o.ended for o in sent), default=0.0)
     return {
         "requests": len(sent),
+        "longest_silence_seconds": longest_silence(sent, last),
         "by_category": dict(sorted(by_category.items())),
+        "answered_ok": sum(category(o) == "ok" and (sigterm_at is None or o.ended < sigterm_at)
+                           for o in sent),
         "by_kind": dict(sorted(Counter(o.kind for o in sent).items())),
         "bad_input": [{"input": k, "status": s, "code": c, "count": n,
                        "slowest_seconds": slowest[k, s, c]}
@@ -130,6 +145,11 @@ def targets(data: dict) -> list[Target]:
     slowest_bad = max((b["slowest_seconds"] for b in t["bad_input"]
                        if b["status"] and 400 <= b["status"] < 500), default=None)
     out = [
+        Target("requests answered 200 before SIGTERM", str(t["answered_ok"]), "> 0",
+               t["answered_ok"] > 0),
+        Target("longest time without any answer (before SIGTERM)",
+               f"{t['longest_silence_seconds']:.1f} s", f"< {STALL_SECONDS:g} s",
+               t["longest_silence_seconds"] < STALL_SECONDS),
         Target("5xx answers (other than 503)", str(len(t["server_errors"])), "0",
                not t["server_errors"]),
         Target("requests with no HTTP answer", str(len(t["no_answer"])), "0", not t["no_answer"]),
@@ -207,12 +227,31 @@ def _header(data: dict) -> list[str]:
         f"- Load: {meta['args']['concurrency']} closed-loop clients for "
         f"{meta['args']['duration']} s; SIGTERM at {data['drain']['sigterm_at']:.1f} s with "
         f"--drain-timeout {meta['args']['drain_timeout']:g}; seed {meta['args']['seed']}",
+        *_cpu_lines(data.get("cpu")),
         "",
     ]
 
 
+def _cpu_lines(cpu: dict | None) -> list[str]:
+    if not cpu:
+        return []
+    busy = " (a busy machine: throughput and timings are low)" if cpu["other_cores"] > 0.5 else ""
+    return [f"- CPU while loaded, in cores: server {cpu['server_cores']:.2f}, load generator "
+            f"{cpu['loadgen_cores']:.2f}, other processes {cpu['other_cores']:.2f}{busy}"]
+
+
 def _metrics_lines(metrics: dict) -> list[str]:
     lines = ["## Engine metrics (scraped before SIGTERM)", ""]
+    work = [f"{metrics[k]:,.0f} {k.replace('_', ' ')}" for k in
+            ("engine_steps", "prompt_tokens", "generated_tokens") if metrics.get(k) is not None]
+    if work:
+        lines.append("- Work done: " + ", ".join(work))
+    step = metrics.get("step_seconds")
+    if step and step.get("count"):
+        longest = ("over the largest bucket" if step["max_le"] is None
+                   else f"<= {step['max_le']:g} s")
+        lines.append(f"- Engine step time: mean {step['mean']:.3f} s over {step['count']:,.0f} "
+                     f"steps, longest {longest}")
     free = metrics.get("abort_free")
     lines.append("- `seqgate_abort_free_steps`: " + (
         "n/a (not exposed)" if free is None else
@@ -222,6 +261,11 @@ def _metrics_lines(metrics: dict) -> list[str]:
     if not outcomes:
         return lines + ["- `seqgate_request_outcomes_total`: n/a (not exposed)", ""]
     names = sorted({k for per in outcomes.values() for k in per})
+    disconnects = sum(per.get("client_disconnected", 0) for per in outcomes.values())
+    if free is not None and free["count"] < disconnects:
+        lines.append(f"- {disconnects:g} requests counted as client_disconnected, but only "
+                     f"{free['count']:g} aborts observed in `seqgate_abort_free_steps` by the "
+                     "time of the scrape")
     lines += ["", "`seqgate_request_outcomes_total`:", "",
               markdown_table(["route", *names],
                              [[r, *(int(per.get(k, 0)) for k in names)]
@@ -239,6 +283,22 @@ def _fuzz_lines(fuzz: dict | None) -> list[str]:
         lines.append(f"- {run} responses by status: "
                      + ", ".join(f"{s}: {n:,}" for s, n in sorted(statuses.items())))
     return lines + [""]
+
+
+def _series_lines(series: list | None) -> list[str]:
+    if not series:
+        return []
+    return ["Sampled during the run (s: MiB): "
+            + ", ".join(f"{t:g}: {n / 2**20:,.0f}" for t, n in series), ""]
+
+
+def _held_lines(metrics: dict) -> list[str]:
+    held = [f"{label} {_mib(int(metrics[k]))}" for k, label in
+            (("prompt_cache_bytes", "prompt cache"), ("kv_cache_bytes", "rolling-batch KV"),
+             ("kv_cache_peak_bytes", "rolling-batch KV peak")) if metrics.get(k) is not None]
+    if not held:
+        return []
+    return ["Held by the engine at the end (/metrics): " + ", ".join(held) + ".", ""]
 
 
 def render(data: dict) -> str:
@@ -263,9 +323,13 @@ def render(data: dict) -> str:
     lines += ["## Memory (RSS of the server's process tree)", "",
               markdown_table(["when", "RSS"], [
                   ["start (/health 200)", _mib(rss.get("start"))],
-                  [f"after warm-up ({rss['warmup_seconds']:.0f} s)", _mib(rss.get("warm"))],
+                  [f"after warm-up ({rss['warmup_seconds']:.0f} s, "
+                   f"{rss.get('warmup_answers', '?')} requests answered)", _mib(rss.get("warm"))],
                   ["end (before SIGTERM)", _mib(rss.get("end"))],
-                  ["growth after warm-up", _pct(rss.get("growth"))]]), ""]
+                  ["peak while loaded (sampled each second)", _mib(rss.get("peak"))],
+                  ["growth after warm-up", _pct(rss.get("growth"))]]), "",
+              *_series_lines(rss.get("series")),
+              *_held_lines(data.get("metrics") or {})]
     lines += _metrics_lines(data.get("metrics") or {})
     lines += _fuzz_lines(data.get("fuzz"))
     findings = (_problem_lines(t["server_errors"], "5xx answers")
@@ -280,6 +344,10 @@ def render(data: dict) -> str:
     if server.get("log_errors"):
         findings += [f"### Server log: {len(server['log_errors'])} ERROR and exception lines", "",
                      "```", *server["log_errors"][:SHOWN_PROBLEMS], "```", ""]
+    failed = [f"- {x.figure}: {x.value} (target {x.target})" for x in targets(data)
+              if x.passed is False]
+    if failed:
+        findings = ["### Targets missed", "", *failed, "", *findings]
     lines += ["## Findings", "", *(findings or ["None.", ""])]
     return "\n".join(lines).rstrip() + "\n"
 

@@ -19,7 +19,7 @@ from engine.batch import RollingBatch, RowKV, row_from_cache
 from engine.config import EngineConfig
 from engine.decoder import TokenDecoder, fail
 from engine.detokenize import IncrementalDetokenizer
-from engine.job import Job, Sequence
+from engine.job import Job, SeqStatus, Sequence
 from engine.loader import LoadedModel, load_model
 from engine.outputs import JobDelta, StepStats
 from engine.prefix_cache import PrefixCache, PrefixEntry
@@ -293,6 +293,10 @@ class Engine:
         new_rows: dict[Sequence, RowKV] = {}
         for job in plan.admitted:
             touched[job.job_id] = job
+            if not self._running:  # stopping: no more prefills, so the step ends soon
+                for s in job.seqs:
+                    s.status = SeqStatus.ABORT
+                continue
             try:
                 result = self._prefill_job(job)
                 first = result.logits[None].expand(len(job.seqs), -1)

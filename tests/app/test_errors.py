@@ -27,6 +27,9 @@ def chat(**kw) -> dict:
 CASES = [
     ("malformed JSON", "POST", CHAT, b'{"messages": [', 400, "invalid_json", None),
     ("not an object", "POST", CHAT, b"[]", 400, "invalid_json", None),
+    ("not UTF-8", "POST", CHAT, b'{"messages": "\xff\xfe"}', 400, "invalid_json", None),
+    ("not UTF-8, DJL", "POST", "/invocations", b'{"inputs": "\xff"}', 400, "invalid_json",
+     None),
     ("wrong type", "POST", CHAT, chat(max_tokens="ten"), 400, "invalid_type", "max_tokens"),
     ("nested wrong type", "POST", CHAT, {"messages": [{"role": 1, "content": "x"}]}, 400,
      "invalid_type", "messages[0].role"),

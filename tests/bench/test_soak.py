@@ -15,6 +15,7 @@ from bench.soak_report import (
     category,
     drain_ending,
     drain_summary,
+    longest_silence,
     render,
     targets,
     traffic_summary,
@@ -90,7 +91,7 @@ def test_every_bad_input_is_bad(name):
     if name == "over-long-prompt":
         assert len(body["prompt"]) > SERVED.max_model_len
     if name == "too-many-logit-bias":
-        assert len(body["logit_bias"]) > 300
+        assert len(body["logit_bias"]) > 1024
     if name == "negative-max-tokens":
         assert body["max_tokens"] < 0
     if name == "unknown-model":
@@ -202,8 +203,9 @@ def _data(outcomes: list[Outcome], sigterm_at: float = 50.0, **metrics) -> dict:
 
 
 def test_a_clean_run_passes_and_absent_metrics_read_na():
-    outcomes = [_o(status=200), _o(cut=True), _o("bad:malformed-json", bad=True, status=400,
-                                                 code="invalid_json"),
+    steady = [_o(started=t, ended=t + 1.0, status=200) for t in range(0, 50, 5)]
+    outcomes = [*steady, _o(cut=True), _o("bad:malformed-json", bad=True, status=400,
+                                          code="invalid_json"),
                 _o(started=49.0, ended=51.0, status=200, stream=True, stream_end="done"),
                 _o("probe", 50.3, 50.4, status=503, code="service_unavailable", probe=True)]
     data = _data(outcomes)
@@ -211,7 +213,7 @@ def test_a_clean_run_passes_and_absent_metrics_read_na():
     assert verdicts["drain probes answered 503 service_unavailable"] is True
     assert verdicts["aborted slots freed within 3 engine steps"] is None
     assert all(v is not False for v in verdicts.values())
-    assert data["traffic"]["requests"] == 4 and data["drain"]["in_flight"] == 1
+    assert data["traffic"]["requests"] == 13 and data["drain"]["in_flight"] == 1
     text = render(data)
     assert "python -m bench.soak --duration 60" in text and "FAIL" not in text
     assert "`seqgate_request_outcomes_total`: n/a" in text and "## Findings\n\nNone." in text
@@ -224,8 +226,12 @@ def test_findings_fail_their_targets_and_are_quoted():
                    problem="bad input accepted (200)"),
                 _o(started=49.0, ended=55.0, status=None, problem="no answer: ReadError"),
                 _o("bad:json-array", 10.0, 19.0, bad=True, status=400, code="invalid_type")]
-    data = _data(outcomes, abort_free={"within": 3.0, "count": 4.0, "fraction": 0.75})
+    step = {"count": 6.0, "sum": 12.0, "mean": 2.0, "buckets": {}, "max_le": 10.0}
+    data = _data(outcomes, abort_free={"within": 3.0, "count": 4.0, "fraction": 0.75},
+                 request_outcomes={"/v1/chat/completions": {"client_disconnected": 6.0}},
+                 engine_steps=6.0, step_seconds=step, prompt_cache_bytes=2.0**20)
     data["rss"]["growth"] = 0.2
+    data["rss"]["series"] = [(0.0, 512 * 2**20), (5.0, 520 * 2**20)]
     failed = {t.figure for t in targets(data) if t.passed is False}
     assert {"5xx answers (other than 503)", "requests with no HTTP answer",
             "bad inputs not refused with a 4xx error envelope", "RSS growth after warm-up",
@@ -234,7 +240,10 @@ def test_findings_fail_their_targets_and_are_quoted():
             "slowest 4xx refusal of bad input"} <= failed
     text = render(data)
     assert "Internal Server Error" in text and "### 5xx answers (1)" in text
-    assert "75.00%" in text
+    assert "(s: MiB): 0: 512, 5: 520" in text and "prompt cache 1.0 MiB" in text
+    assert "### Targets missed" in text and "- RSS growth after warm-up: 20.00%" in text
+    assert "75.00%" in text and "mean 2.000 s over 6 steps, longest <= 10 s" in text
+    assert "6 requests counted as client_disconnected, but only 4 aborts" in text
 
 
 def test_every_bad_input_comes_up_once_per_round():
@@ -256,3 +265,13 @@ INFO:     127.0.0.1:1 - "POST /v1/chat/completions HTTP/1.1" 500 Internal Server
     errors = log_errors(log)
     assert len(errors) == 2 and "unhandled error" in errors[0]
     assert errors[1].strip().startswith("UnicodeDecodeError")
+
+
+def test_a_stalled_server_is_a_long_silence():
+    steady = [_o(started=t, ended=t + 1.0, status=200) for t in range(0, 50, 2)]
+    assert longest_silence(steady, 50.0) == pytest.approx(2.0)
+    stalled = steady[:3] + [_o(started=5.0, ended=8.0, cut=True)]
+    assert longest_silence(stalled, 50.0) == pytest.approx(45.0)
+    verdicts = {t.figure: t.passed for t in targets(_data(stalled))}
+    assert verdicts["longest time without any answer (before SIGTERM)"] is False
+    assert longest_silence([], 10.0) == 10.0

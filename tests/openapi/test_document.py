@@ -6,7 +6,6 @@ import copy
 
 import pytest
 
-from openapi.generate import DOCUMENT, stale_diff
 from openapi.checks.validate import (
     ACCEPTED,
     CONTRACT,
@@ -15,6 +14,7 @@ from openapi.checks.validate import (
     spec_errors,
     unknown_extensions,
 )
+from openapi.generate import DOCUMENT, stale_diff
 
 
 def _ids(contract: Contract) -> str:
