@@ -26,6 +26,7 @@ from adapters.openai_types import (
     TopLogprob,
     Usage,
 )
+from adapters.prompt_size import check_prompt_size
 from adapters.token_text import TokenText
 from adapters.usage import UsageCounter
 from engine import JobDelta, TokenLogprob
@@ -96,18 +97,22 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return out
 
 
-def _render(tokenizer, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+def _render(tokenizer, messages: list[dict[str, str]], generation_prompt: bool,
+            max_model_len: int | None = None) -> list[int]:
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False,
                                              add_generation_prompt=generation_prompt)
     except Exception as exc:  # a template's own checks (role order, ...) are the client's error
         raise ApiError.bad_request(f"The chat template rejected the messages: {exc}",
                                    param="messages") from None
+    if max_model_len is not None:
+        check_prompt_size(text, tokenizer, max_model_len, "messages")
     # The template writes the special tokens itself; adding them again would double the BOS.
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def render_prompt(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], int]:
+def render_prompt(tokenizer, messages: list[dict[str, str]],
+                  max_model_len: int | None = None) -> tuple[list[int], int]:
     """Prompt ids for the conversation, and how many leading ids are the system-prompt prefix.
 
     The prefix is what the template renders for the leading system messages alone; it is the
@@ -117,7 +122,7 @@ def render_prompt(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int],
     if getattr(tokenizer, "chat_template", None) is None:
         raise ApiError.bad_request("This model has no chat template; use /v1/completions.",
                                    param="messages", code="chat_template_missing")
-    ids = _render(tokenizer, messages, generation_prompt=True)
+    ids = _render(tokenizer, messages, generation_prompt=True, max_model_len=max_model_len)
     k = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
     if k == 0:
         return ids, 0
@@ -129,7 +134,8 @@ def build_chat_job(req: ChatCompletionRequest, tokenizer, max_model_len: int,
                    max_tokens_limit: int = 0) -> JobSpec:
     """Translate a chat request into one engine job; raises ApiError before any submission."""
     check_supported(req)
-    prompt_ids, prefix_len = render_prompt(tokenizer, template_messages(req.messages))
+    prompt_ids, prefix_len = render_prompt(tokenizer, template_messages(req.messages),
+                                           max_model_len)
     # ChatOpenAI sends max_completion_tokens, older clients max_tokens; the newer name wins.
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"

@@ -20,6 +20,7 @@ from adapters.openai_types import (
     CompletionRequest,
     CompletionResponse,
 )
+from adapters.prompt_size import check_prompt_size
 from adapters.token_text import TokenText
 from adapters.usage import UsageCounter
 from engine import JobDelta
@@ -40,7 +41,7 @@ def _is_ids(x: object) -> bool:
     return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def parse_prompts(prompt: str | list, tokenizer) -> list[Prompt]:
+def parse_prompts(prompt: str | list, tokenizer, max_model_len: int | None = None) -> list[Prompt]:
     """Text, list of texts, token ids, or list of token-id lists → prompts (400 otherwise)."""
     if isinstance(prompt, str):
         items: list = [prompt]
@@ -58,6 +59,8 @@ def parse_prompts(prompt: str | list, tokenizer) -> list[Prompt]:
     out = []
     for item in items:
         if isinstance(item, str):
+            if max_model_len is not None:
+                check_prompt_size(item, tokenizer, max_model_len, "prompt")
             out.append(Prompt(tokenizer.encode(item), item))
         else:
             if not item:
@@ -90,7 +93,7 @@ def build_completion_jobs(req: CompletionRequest, tokenizer, max_model_len: int,
                           max_tokens_limit: int = 0) -> tuple[list[JobSpec], list[Prompt]]:
     """One job per prompt; everything is checked before any job is submitted."""
     check_supported(req)
-    prompts = parse_prompts(req.prompt, tokenizer)
+    prompts = parse_prompts(req.prompt, tokenizer, max_model_len)
     n = 1 if req.n is None else req.n
     if len(prompts) * n > MAX_CHOICES:
         raise ApiError.bad_request(f"prompts × n must be at most {MAX_CHOICES}, got "

@@ -12,6 +12,7 @@ import asyncio
 import ipaddress
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -25,6 +26,8 @@ from app.properties import PropertiesError
 from app.settings import Settings, SettingsError, add_arguments, load_settings
 
 log = logging.getLogger("seqgate")
+
+SWITCH_INTERVAL_S = 0.001
 
 class DrainingServer(uvicorn.Server):
     """uvicorn, with a drain before exit and a ready banner once the socket listens."""
@@ -139,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # One prompt is tokenized on the calling (low-priority) thread; tokenizers' own thread pool
+    # would take the engine's cores at normal priority for no gain on one text.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # The engine thread takes the GIL back after every torch op; while a preparation thread
+    # runs Python (a large chat template, a long token list), each of those waits up to the
+    # switch interval. 1 ms instead of 5 keeps the streams' steps short (bench/large_body.py).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     args = build_parser().parse_args(argv)
     if args.command == "openapi":
         # One writer for the document, so `seqgate openapi` and the staleness check agree.

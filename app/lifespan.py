@@ -19,14 +19,14 @@ import asyncio
 import functools
 import hashlib
 import logging
+import os
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import anyio.to_thread
-from anyio import CapacityLimiter
 from litestar import Litestar
 from litestar.di import NamedDependency
 
@@ -41,8 +41,9 @@ log = logging.getLogger("seqgate.app")
 
 T = TypeVar("T")
 # Threads that prepare requests. Two: one large body never blocks the small ones behind it, and
-# more would only take cores from the engine.
+# more would only take cores from the engine. Niced, so they use what the engine leaves.
 PREP_THREADS = 2
+PREP_NICE = 19
 
 
 @dataclass
@@ -61,7 +62,7 @@ class GatewayState:
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     # How the lifespan builds the engine from the settings (tests hold the load on a gate).
     build_engine: Callable[[EngineConfig], Engine] = Engine
-    _prep_limiter: CapacityLimiter | None = None
+    _prep_pool: ThreadPoolExecutor | None = None
 
     @property
     def model_name(self) -> str:
@@ -106,12 +107,18 @@ class GatewayState:
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run request preparation (JSON decoding, chat templates, tokenization) on a small pool
-        of threads: its cost grows with the body, and on the event loop a 4 MiB body would
-        stall every open stream."""
-        if self._prep_limiter is None:  # created on the loop that uses it
-            self._prep_limiter = CapacityLimiter(PREP_THREADS)
-        return await anyio.to_thread.run_sync(functools.partial(fn, *args),
-                                              limiter=self._prep_limiter)
+        of low-priority threads: its cost grows with the body, and on the event loop a 4 MiB
+        body would stall every open stream; at normal priority it would take the engine's cores.
+        """
+        if self._prep_pool is None:
+            self._prep_pool = ThreadPoolExecutor(PREP_THREADS, "seqgate-prep", _lower_priority)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._prep_pool, functools.partial(fn, *args))
+
+    def close(self) -> None:
+        if self._prep_pool is not None:
+            self._prep_pool.shutdown(wait=False, cancel_futures=True)
+            self._prep_pool = None
 
     def use_engine(self, engine: Engine) -> None:
         self.engine = engine
@@ -120,6 +127,15 @@ class GatewayState:
 
 
 LOADING_RETRY_AFTER = DRAINING_RETRY_AFTER
+
+def _lower_priority() -> None:
+    """Nice a preparation thread: tokenizing a large body runs on a core the engine's threads
+    need, and the streams come first (Linux: a thread's nice value is its own)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREP_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
+        pass
+
 
 # How controllers ask for the state: `gw: Gateway` (an explicit dependency, resolved by name).
 Gateway = NamedDependency[GatewayState]
@@ -210,6 +226,7 @@ async def engine_lifespan(app: Litestar) -> AsyncIterator[None]:
         yield
     finally:
         state.ready = False
+        state.close()
         if loading is not None and not loading.done():
             loading.cancel()
         if state.owns_engine and state.engine is not None:
