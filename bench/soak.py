@@ -244,6 +244,14 @@ async def probe_drain(client: httpx.AsyncClient, model: str | None, t0: float,
     return probes
 
 
+def kv_bytes(base_url: str) -> float | None:
+    """The KV bytes the rolling batch holds now (seqgate_kv_cache_bytes), None if not exposed."""
+    try:
+        return scrape(base_url).get("seqgate_kv_cache_bytes")
+    except httpx.HTTPError:
+        return None
+
+
 async def sample_rss(server: ServerProcess, stop: asyncio.Event, t0: float,
                      series: list[tuple[float, int]], every: float = RSS_SERIES_SECONDS) -> None:
     """(seconds, RSS) every `every` seconds until `stop`: whether growth levels off."""
@@ -269,12 +277,14 @@ async def drive(server: ServerProcess, mix: RequestMix, args: argparse.Namespace
         with CpuAccount(server.pid) as cpu, RssSampler(server.pid, interval=1.0) as sampler:
             await asyncio.sleep(rss["warmup_seconds"])
             rss["warm"] = await asyncio.to_thread(server.rss)
+            rss["kv_warm"] = await asyncio.to_thread(kv_bytes, server.base_url)
             rss["warmup_answers"] = sum(o.status is not None for o in outcomes)
             print(f"  warm-up over: {len(outcomes)} requests done, "
                   f"RSS {rss['warm'] / 2**20:.0f} MiB", flush=True)
             await asyncio.sleep(max(0.0, t0 + args.duration - args.drain_lead
                                     - time.perf_counter()))
         rss["end"], rss["peak"] = await asyncio.to_thread(server.rss), sampler.peak
+        rss["kv_end"] = await asyncio.to_thread(kv_bytes, server.base_url)
         metrics = await asyncio.to_thread(engine_metrics, server.base_url)
         stop.set()
         sigterm_at = time.perf_counter() - t0
@@ -295,6 +305,10 @@ async def drive(server: ServerProcess, mix: RequestMix, args: argparse.Namespace
                                                 "exited"))
         outcomes += probes.result() if probes.done() else []
     rss["growth"] = (rss["end"] - rss["warm"]) / rss["warm"] if rss.get("warm") else None
+    if rss.get("warm") and rss.get("kv_warm") is not None and rss.get("kv_end") is not None:
+        # What is not the live batch's KV (which follows the requests running at that moment).
+        base = rss["warm"] - rss["kv_warm"]
+        rss["growth_net_of_kv"] = (rss["end"] - rss["kv_end"] - base) / base
     return SoakRun(outcomes, rss, metrics, sigterm_at, code, waited, killed, cpu.to_json())
 
 

@@ -327,7 +327,11 @@ def render(data: dict) -> str:
                    f"{rss.get('warmup_answers', '?')} requests answered)", _mib(rss.get("warm"))],
                   ["end (before SIGTERM)", _mib(rss.get("end"))],
                   ["peak while loaded (sampled each second)", _mib(rss.get("peak"))],
-                  ["growth after warm-up", _pct(rss.get("growth"))]]), "",
+                  ["growth after warm-up", _pct(rss.get("growth"))],
+                  ["live KV of the rolling batch at warm-up / at the end",
+                   f"{_mib(rss.get('kv_warm'))} / {_mib(rss.get('kv_end'))}"],
+                  ["growth after warm-up, net of the live KV", _pct(rss.get("growth_net_of_kv"))],
+                  ]), "",
               *_series_lines(rss.get("series")),
               *_held_lines(data.get("metrics") or {})]
     lines += _metrics_lines(data.get("metrics") or {})
