@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
-import ctypes.util
 import ipaddress
 import json
 import logging
@@ -31,9 +29,6 @@ log = logging.getLogger("seqgate")
 
 SWITCH_INTERVAL_S = 0.001
 ONEDNN_CACHE_CAPACITY = 32
-MMAP_THRESHOLD_BYTES = 128 * 1024
-MALLOC_ARENAS = 2
-_M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8  # glibc's mallopt parameters
 
 class DrainingServer(uvicorn.Server):
     """uvicorn, with a drain before exit and a ready banner once the socket listens."""
@@ -148,24 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def bound_native_memory() -> None:
-    """Keep the process's native memory at its working set under changing batch shapes.
-
-    Measured with the soak harness (docs/reliability.md): RSS kept climbing for minutes under
-    mixed load, with no Python objects accumulating. Two native causes: oneDNN caches a compiled
-    kernel per matmul shape (1,024 by default, and a rolling batch makes new shapes every step),
-    and glibc's malloc raises its mmap threshold after each large free, so later tensors land in
-    fragmented heaps that are never returned. Both are capped here unless the environment sets
-    them (the oneDNN variable is read when oneDNN first runs, after this).
-    """
+    """Cap oneDNN's cache of compiled kernels, one per matmul shape (1,024 by default): a rolling
+    batch makes new shapes at almost every step, and under the soak harness the cache alone
+    took hundreds of MiB (docs/reliability.md). Left as it is when the environment sets it; the
+    variable is read when oneDNN first runs, after this."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_ARENA_MAX" in os.environ:
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)  # fixed: no dynamic raise
-        libc.mallopt(_M_ARENA_MAX, MALLOC_ARENAS)
-    except (OSError, AttributeError):  # not glibc: nothing to set
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:
