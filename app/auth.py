@@ -1,18 +1,13 @@
-"""Bearer API keys: the guard on the routes that reach the model, and the per-key cap on open
-requests (`--max-concurrent-per-key`)."""
+"""Bearer API keys: the guard on the routes that reach the model."""
 
 from __future__ import annotations
 
 import hmac
-from collections import Counter
-from collections.abc import Callable
 
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
-from litestar.types import ASGIApp, Receive, Scope, Send
 
-from adapters.errors import QUEUE_FULL_RETRY_AFTER, ApiError
-from app.settings import ServerSettings
+from adapters.errors import ApiError
 
 
 def key_matches(presented: str, keys: tuple[str, ...]) -> bool:
@@ -48,37 +43,3 @@ def require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
                        "invalid_api_key")
     if not key_matches(token, keys):
         raise ApiError(401, "Incorrect API key provided.", "invalid_api_key")
-
-
-def per_key_concurrency(settings: ServerSettings) -> Callable[[ASGIApp], ASGIApp]:
-    """Middleware: at most `max_concurrent_per_key` open requests per API key; one more gets 429
-    with Retry-After. A request stays open until its response (a whole stream) is sent. Requests
-    without a valid key are left to the guard (401), never counted. One count per app, shared by
-    its routes."""
-    open_requests: Counter[str] = Counter()
-    limit, keys = settings.max_concurrent_per_key, settings.api_keys
-
-    def wrap(app: ASGIApp) -> ASGIApp:
-        async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] != "http" or not limit or not keys:
-                await app(scope, receive, send)
-                return
-            token = presented_key(ASGIConnection(scope))
-            key = next((k for k in keys if token is not None and key_matches(token, (k,))), None)
-            if key is None:
-                await app(scope, receive, send)
-                return
-            if open_requests[key] >= limit:
-                raise ApiError(429, f"Too many concurrent requests for this API key (at most "
-                               f"{limit} at a time); retry when one has finished.",
-                               "rate_limit_exceeded",
-                               headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER)})
-            open_requests[key] += 1
-            try:
-                await app(scope, receive, send)
-            finally:
-                open_requests[key] -= 1
-
-        return middleware
-
-    return wrap

@@ -14,7 +14,6 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin
 from litestar.types import Message, Scope
 
-from app.auth import per_key_concurrency
 from app.controllers.djl import DjlController
 from app.controllers.openai import (
     ChatCompletionsController,
@@ -53,7 +52,6 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         state=State({"gateway": gateway}),
         exception_handlers=EXCEPTION_HANDLERS,
         before_send=[count_response],
-        middleware=[per_key_concurrency(server)],
         request_max_body_size=server.max_request_bytes,
         cors_config=CORSConfig(allow_origins=list(server.cors_origins))
         if server.cors_origins else None,

@@ -67,6 +67,11 @@ def test_non_stream_disconnect_aborts_the_job(live_server):
     time.sleep(0.3)  # a few decode steps in
     steps, _ = running_after_leaving(engine, sock.close)
     assert steps <= 5, f"the slot took {steps} steps to free"
+    # Counted when the step that freed the slot publishes, at its end.
+    deadline = time.monotonic() + 10
+    while engine.stats().finished_by_reason.get("abort", 0) == aborted:
+        assert time.monotonic() < deadline, "the abort was never counted"
+        time.sleep(0.01)
     assert engine.stats().finished_by_reason.get("abort", 0) == aborted + 1
 
 
