@@ -1,13 +1,16 @@
-"""Bearer API keys: the guard on the routes that reach the model."""
+"""Bearer API keys: the guard on the routes that reach the model, and the cap on each key's open
+requests (`--max-concurrent-per-key`)."""
 
 from __future__ import annotations
 
 import hmac
+from collections import Counter
+from collections.abc import Callable
 
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
-from adapters.errors import ApiError
+from adapters.errors import QUEUE_FULL_RETRY_AFTER, ApiError
 
 
 def key_matches(presented: str, keys: tuple[str, ...]) -> bool:
@@ -43,3 +46,46 @@ def require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
                        "invalid_api_key")
     if not key_matches(token, keys):
         raise ApiError(401, "Incorrect API key provided.", "invalid_api_key")
+
+
+class KeyLimiter:
+    """Counts each API key's open requests and refuses one over `limit` with 429 + Retry-After.
+
+    A request is open from the moment its handler admits it until its response is over: the
+    caller gets a release function and calls it when the request's jobs are done (the request's
+    `JobStream` does, when it closes), so the count follows the jobs rather than the ASGI call,
+    which can return while a stream's last bytes still sit in socket buffers. Off when `limit`
+    is 0 or no keys are configured. Event-loop only: no locking.
+    """
+
+    def __init__(self, limit: int, keys: tuple[str, ...]):
+        self.limit, self.keys = limit, keys
+        self.open: Counter[str] = Counter()
+
+    def admit(self, connection: ASGIConnection) -> Callable[[], None]:
+        """Count the request against its key; the returned function (idempotent) releases it.
+        The guard has already checked the key, so the presented token is one of the keys."""
+        key = presented_key(connection)
+        if not self.limit or not self.keys or key is None:
+            return _nothing
+        if self.open[key] >= self.limit:
+            raise ApiError(429, f"Too many concurrent requests for this API key (at most "
+                           f"{self.limit} at a time, --max-concurrent-per-key); retry when one "
+                           f"has finished.", "rate_limit_exceeded",
+                           headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER)})
+        self.open[key] += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.open[key] -= 1
+                if not self.open[key]:
+                    del self.open[key]
+
+        return release
+
+
+def _nothing() -> None:
+    pass

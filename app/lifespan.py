@@ -32,6 +32,7 @@ from litestar.di import NamedDependency
 
 from adapters.errors import DRAINING_RETRY_AFTER, ApiError, draining_error
 from adapters.token_text import TokenText
+from app.auth import KeyLimiter
 from app.metrics import GatewayMetrics
 from app.settings import Settings
 from app.version import __version__
@@ -63,6 +64,11 @@ class GatewayState:
     # How the lifespan builds the engine from the settings (tests hold the load on a gate).
     build_engine: Callable[[EngineConfig], Engine] = Engine
     _prep_pool: ThreadPoolExecutor | None = None
+    key_limiter: KeyLimiter = field(init=False)
+
+    def __post_init__(self) -> None:
+        server = self.settings.server
+        self.key_limiter = KeyLimiter(server.max_concurrent_per_key, server.api_keys)
 
     @property
     def model_name(self) -> str:

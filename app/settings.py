@@ -45,9 +45,10 @@ class ServerSettings:
     drain_timeout: float = 300.0  # seconds SIGTERM waits for running jobs before exiting anyway
     warmup: bool = True  # run one 1-token job before /health turns 200
     # Operator limits (0 = off): generated tokens per request (off: up to the context), seconds
-    # a request may take from arrival to its last token.
+    # a request may take from arrival to its last token, open requests per API key.
     max_tokens_limit: int = 0
     request_timeout: float = 0.0
+    max_concurrent_per_key: int = 0
     # Proxies whose X-Forwarded-For / X-Forwarded-Proto are trusted (uvicorn's forwarded_allow_ips).
     forwarded_allow_ips: str = "127.0.0.1"
 
@@ -194,6 +195,8 @@ OPTIONS: tuple[Option, ...] = (
            "--max-tokens-limit", "most tokens one request may generate (0: up to the context)"),
     Option("request_timeout", "server", _float(0.0), ("option.request_timeout",),
            "--request-timeout", "seconds a request may run before it is cancelled (0: no limit)"),
+    Option("max_concurrent_per_key", "server", _int(0), (), "--max-concurrent-per-key",
+           "open requests per API key; more get 429 (0: no limit; needs API keys)"),
     Option("forwarded_allow_ips", "server", lambda v: v.strip(), (), "--forwarded-allow-ips",
            "comma-separated proxy addresses whose X-Forwarded-* headers are trusted ('*': any)"),
 )

@@ -16,9 +16,11 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from typing import TypeVar
 
 import msgspec
 from litestar import Request
+from litestar.background_tasks import BackgroundTask
 from litestar.response import ServerSentEvent
 from litestar.response.sse import ServerSentEventMessage
 
@@ -29,12 +31,14 @@ from adapters.errors import (
     request_timeout_error,
 )
 from adapters.openai_params import JobSpec
+from app.lifespan import GatewayState
 from app.metrics import GatewayMetrics
 from engine import Engine, JobDelta, JobHandle
 
 log = logging.getLogger("seqgate.app.streaming")
 
 _DONE = object()
+P = TypeVar("P")
 
 
 def submit_all(engine: Engine, specs: list[JobSpec], prompt_param: str) -> list[JobHandle]:
@@ -55,16 +59,39 @@ def submit_all(engine: Engine, specs: list[JobSpec], prompt_param: str) -> list[
     return handles
 
 
+async def open_request(gw: GatewayState, request: Request, route: str, prompt_param: str,
+                       prepare: Callable[[Engine, bytes], tuple[P, list[JobSpec]]],
+                       ) -> tuple[P, JobStream]:
+    """Admit a request and start its jobs: readiness, the API key's open-request cap, the body,
+    `prepare(engine, body)` off the event loop (decode, validate, tokenize: it returns what the
+    controller needs and the jobs), then submission. The key's count is released when the
+    returned stream closes, or here if anything before that fails."""
+    started = time.perf_counter()
+    engine = gw.require_ready()
+    release = gw.key_limiter.admit(request)
+    try:
+        body = await request.body()
+        prepared, specs = await gw.off_loop(prepare, engine, body)
+        handles = submit_all(engine, specs, prompt_param)
+    except BaseException:
+        release()
+        raise
+    return prepared, JobStream(engine, handles, gw.metrics, started, route, gw.request_timeout,
+                               on_close=release)
+
+
 class JobStream:
     """The merged deltas of one request's jobs, tagged with the job's position in the request.
 
     Owns the request's deadline (`timeout`, seconds from `started`; None: none) and its outcome,
     counted once when the stream is closed: finished, failed, shutdown (the engine stopped the
-    job), timed_out, or client_disconnected (closed before every job ended).
+    job), timed_out, or client_disconnected (closed before every job ended). `on_close` runs
+    once, when it closes (the API key's open-request count is released there).
     """
 
     def __init__(self, engine: Engine, handles: list[JobHandle], metrics: GatewayMetrics,
-                 started: float, route: str, timeout: float | None = None):
+                 started: float, route: str, timeout: float | None = None,
+                 on_close: Callable[[], None] | None = None):
         self.engine, self.handles, self.metrics, self.started = engine, handles, metrics, started
         self.route = route
         self.timeout = timeout
@@ -75,6 +102,7 @@ class JobStream:
         self._first_token: dict[tuple[int, int], float] = {}
         self._failure: str | None = None  # failed | shutdown | timed_out
         self._closed = False
+        self._on_close = on_close
         self._pumps = [asyncio.create_task(self._pump(i, h)) for i, h in enumerate(handles)]
 
     async def _pump(self, i: int, handle: JobHandle) -> None:
@@ -145,6 +173,8 @@ class JobStream:
             task.cancel()
         outcome = self._failure or ("finished" if not self._open else "client_disconnected")
         self.metrics.count_outcome(self.route, outcome)
+        if self._on_close is not None:
+            self._on_close()
 
 
 def _failed(delta: JobDelta) -> ApiError | None:
@@ -225,4 +255,11 @@ def sse_response(stream: JobStream, start: Iterable[object],
                  on_delta: Callable[[int, JobDelta], list], finish: Callable[[], list],
                  ping_seconds: float) -> ServerSentEvent:
     """An OpenAI-style event stream: `data: {chunk}` events, keep-alive comments, `[DONE]`."""
-    return ServerSentEvent(_events(stream, start, on_delta, finish, ping_seconds))
+    return ServerSentEvent(_events(stream, start, on_delta, finish, ping_seconds),
+                           background=closing(stream))
+
+
+def closing(stream: JobStream) -> BackgroundTask:
+    """Close the stream once the response is over, also when its body never began (the client
+    left before the first event): the generator's own `finally` runs only once it has started."""
+    return BackgroundTask(stream.close)

@@ -3,7 +3,6 @@ says) and GET /ping."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -12,7 +11,6 @@ from litestar.response import Stream
 
 from adapters.djl import (
     DjlAssembler,
-    DjlOptions,
     DjlOutput,
     DjlRequest,
     build_djl_jobs,
@@ -23,7 +21,8 @@ from adapters.openai_params import JobSpec
 from app.api_docs import documented
 from app.auth import require_api_key
 from app.lifespan import Gateway
-from app.streaming import JobStream, collect, submit_all
+from app.streaming import JobStream, closing, collect, open_request
+from engine import Engine
 
 
 class DjlController(Controller):
@@ -37,28 +36,27 @@ class DjlController(Controller):
                                      stream_media="application/jsonlines",
                                      errors=("400", "401", "413", "429", "503")))
     async def invocations(self, request: Request, gw: Gateway) -> Response:
-        started = time.perf_counter()
-        engine = gw.require_ready()
-        body = await request.body()
+        jsonlines_default = gw.settings.server.output_formatter == "jsonlines"
 
-        def prepare() -> tuple[DjlRequest, DjlOptions, list[JobSpec]]:
+        def prepare(engine: Engine, body: bytes
+                    ) -> tuple[tuple[DjlRequest, list[DjlAssembler], bool], list[JobSpec]]:
             req, opts = decode_djl(body)
-            return req, opts, build_djl_jobs(req, opts, engine.tokenizer, engine.max_model_len,
-                                             gw.settings.server.max_tokens_limit)
+            specs = build_djl_jobs(req, opts, engine.tokenizer, engine.max_model_len,
+                                   gw.settings.server.max_tokens_limit)
+            jsonlines = bool(req.stream) or jsonlines_default
+            if jsonlines and not isinstance(req.inputs, str):
+                raise ApiError.bad_request("jsonlines output streams one input at a time: send "
+                                           "inputs as a string", param="inputs")
+            inputs = [req.inputs] if isinstance(req.inputs, str) else req.inputs
+            eos = set(engine.eos_ids)
+            assemblers = [DjlAssembler(text, opts, gw.token_text, eos) for text in inputs]
+            return (req, assemblers, jsonlines), specs
 
-        req, opts, specs = await gw.off_loop(prepare)
-        inputs = [req.inputs] if isinstance(req.inputs, str) else req.inputs
-        jsonlines = bool(req.stream) or gw.settings.server.output_formatter == "jsonlines"
-        if jsonlines and not isinstance(req.inputs, str):
-            raise ApiError.bad_request("jsonlines output streams one input at a time: send "
-                                       "inputs as a string", param="inputs")
-        eos = set(engine.eos_ids)
-        assemblers = [DjlAssembler(text, opts, gw.token_text, eos) for text in inputs]
-        handles = submit_all(engine, specs, "inputs")
-        stream = JobStream(engine, handles, gw.metrics, started, "/invocations",
-                           gw.request_timeout)
+        (req, assemblers, jsonlines), stream = await open_request(
+            gw, request, "/invocations", "inputs", prepare)
         if jsonlines:
-            return Stream(self._lines(stream, assemblers[0]), media_type="application/jsonlines")
+            return Stream(self._lines(stream, assemblers[0]), media_type="application/jsonlines",
+                          background=closing(stream))
         await collect(stream, request, lambda i, d: assemblers[i].add(d))
         results = [a.result() for a in assemblers]
         body = results[0] if isinstance(req.inputs, str) else results

@@ -32,7 +32,8 @@ from adapters.openai_types import (
 from app.api_docs import documented
 from app.auth import require_api_key
 from app.lifespan import Gateway, GatewayState
-from app.streaming import JobStream, collect, sse_response, submit_all
+from engine import Engine
+from app.streaming import collect, open_request, sse_response
 
 log = logging.getLogger("seqgate.app.openai")
 
@@ -65,20 +66,15 @@ class ChatCompletionsController(Controller):
           status_code=200, operation_class=documented(
               ChatCompletionRequest, ChatCompletionResponse, stream=ChatCompletionChunk))
     async def create(self, request: Request, gw: Gateway) -> Response:
-        started = time.perf_counter()
-        engine = gw.require_ready()
-        body = await request.body()
-
-        def prepare() -> tuple[ChatCompletionRequest, JobSpec]:
+        def prepare(engine: Engine, body: bytes
+                    ) -> tuple[tuple[ChatCompletionRequest, int], list[JobSpec]]:
             req = decode(request, body, ChatCompletionRequest, gw.model_name)
-            return req, build_chat_job(req, engine.tokenizer, engine.max_model_len,
-                                    gw.settings.server.max_tokens_limit)
+            spec = build_chat_job(req, engine.tokenizer, engine.max_model_len,
+                                  gw.settings.server.max_tokens_limit)
+            return (req, spec.params.n), [spec]
 
-        req, spec = await gw.off_loop(prepare)
+        (req, n), stream = await open_request(gw, request, self.path, "messages", prepare)
         meta = ResponseMeta.new("chatcmpl", gw.model_name, gw.system_fingerprint)
-        handles = submit_all(engine, [spec], "messages")
-        stream = JobStream(engine, handles, gw.metrics, started, self.path, gw.request_timeout)
-        n = spec.params.n
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             chunker = ChatChunker(meta, n, gw.token_text, include_usage)
@@ -100,20 +96,16 @@ class CompletionsController(Controller):
           operation_class=documented(CompletionRequest, CompletionResponse,
                                      stream=CompletionResponse))
     async def create(self, request: Request, gw: Gateway) -> Response:
-        started = time.perf_counter()
-        engine = gw.require_ready()
-        body = await request.body()
-
-        def prepare() -> tuple[CompletionRequest, list[JobSpec], list[Prompt]]:
+        def prepare(engine: Engine, body: bytes
+                    ) -> tuple[tuple[CompletionRequest, list[Prompt]], list[JobSpec]]:
             req = decode(request, body, CompletionRequest, gw.model_name)
-            return req, *build_completion_jobs(req, engine.tokenizer, engine.max_model_len,
-                                               gw.settings.server.max_tokens_limit)
+            specs, prompts = build_completion_jobs(req, engine.tokenizer, engine.max_model_len,
+                                                   gw.settings.server.max_tokens_limit)
+            return (req, prompts), specs
 
-        req, specs, prompts = await gw.off_loop(prepare)
+        (req, prompts), stream = await open_request(gw, request, self.path, "prompt", prepare)
         meta = ResponseMeta.new("cmpl", gw.model_name, gw.system_fingerprint)
-        handles = submit_all(engine, specs, "prompt")
-        stream = JobStream(engine, handles, gw.metrics, started, self.path, gw.request_timeout)
-        n, echo, logprobs = specs[0].params.n, bool(req.echo), req.logprobs is not None
+        n, echo, logprobs = 1 if req.n is None else req.n, bool(req.echo), req.logprobs is not None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             chunker = CompletionChunker(meta, prompts, n, echo, gw.token_text, logprobs,

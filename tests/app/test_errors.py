@@ -180,7 +180,8 @@ def test_queue_full_is_429_with_retry_after(tiny_server):
     long_job = {"messages": HELLO, "max_tokens": 400, "temperature": 0, "stream": True,
                 "ignore_eos": True}
     with httpx.stream("POST", url + CHAT, json=long_job, timeout=60) as r:
-        next(line for line in r.iter_lines() if line.startswith("data: {"))
+        lines = r.iter_lines()  # kept alive: once collected, httpx closes the connection
+        next(line for line in lines if line.startswith("data: {"))
         refused = httpx.post(url + CHAT, json=chat(), timeout=60)
         error = check_envelope(refused, 429, "rate_limit_exceeded", None)
         assert refused.headers["retry-after"] == "1" and error["type"] == "rate_limit_error"

@@ -1,5 +1,6 @@
-"""The limits an operator sets: tokens per request, a deadline per request, what /version tells a
-caller without a key, the start-up warning, and the request outcomes that /metrics counts."""
+"""The limits an operator sets: tokens per request, a deadline per request, open requests per API
+key, what /version tells a caller without a key, the start-up warning, and the request outcomes
+that /metrics counts."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def timeout_server(gateway_engine) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def keyed_server(gateway_engine) -> Iterator[LiveServer]:
-    srv = start_server(create_app(settings(api_keys=API_KEYS), engine=gateway_engine))
+    srv = start_server(create_app(settings(api_keys=API_KEYS, max_concurrent_per_key=1),
+                                  engine=gateway_engine))
     yield srv
     srv.stop()
 
@@ -101,6 +103,37 @@ def test_request_timeout_cancels_the_job(timeout_server):
     wait_idle(srv)
     after = metric(srv, "seqgate_request_outcomes_total", route=CHAT, outcome="timed_out")
     assert after == before + 2
+
+
+def test_open_requests_per_key_are_capped(keyed_server):
+    """One open request per key: a second one from the same key gets 429 while the first streams,
+    another key and a refused request are not counted, and the key is free again once the first
+    stream has been cut by its client (every route counts against the same key)."""
+    srv = keyed_server
+    one, two = ({"Authorization": f"Bearer {k}"} for k in API_KEYS)
+    short = {**LONG, "max_tokens": 2}
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        with c.stream("POST", CHAT, json={**LONG, "stream": True}, headers=one) as held:
+            # Keep the line iterator alive: once it is collected, httpx closes the connection.
+            lines = held.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            for route, body in ((CHAT, short), ("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+                                ("/invocations", {"inputs": "x"})):
+                refused = c.post(route, json=body, headers=one)
+                assert refused.status_code == 429, (route, refused.text)
+                assert error_of(refused)["code"] == "rate_limit_exceeded"
+                assert refused.headers["retry-after"] == "1"
+            other = c.post(CHAT, json=short, headers=two)
+            assert other.status_code == 200, other.text  # another key is not affected
+            assert c.post(CHAT, json=short).status_code == 401  # no key: the guard answers
+            bad = c.post(CHAT, json={**short, "temperature": "hot"}, headers=two)
+            assert bad.status_code == 400  # a refused request releases its count at once
+            assert c.post(CHAT, json=short, headers=two).status_code == 200
+            assert srv.engine.stats().running  # the held stream is still generating
+        wait_idle(srv)
+        again = c.post(CHAT, json=short, headers=one)
+        assert again.status_code == 200, again.text
+    assert not srv.gateway.key_limiter.open  # nothing left counted
 
 
 def test_version_shows_settings_only_to_key_holders(keyed_server):
