@@ -32,8 +32,8 @@ from adapters.openai_types import (
 from app.api_docs import documented
 from app.auth import require_api_key
 from app.lifespan import Gateway, GatewayState
-from engine import Engine
 from app.streaming import collect, open_request, sse_response
+from engine import Engine
 
 log = logging.getLogger("seqgate.app.openai")
 

@@ -117,8 +117,8 @@ def test_open_requests_per_key_are_capped(keyed_server):
             # Keep the line iterator alive: once it is collected, httpx closes the connection.
             lines = held.iter_lines()
             next(line for line in lines if line.startswith("data: {"))
-            for route, body in ((CHAT, short), ("/v1/completions", {"prompt": "x", "max_tokens": 2}),
-                                ("/invocations", {"inputs": "x"})):
+            for route, body in ((CHAT, short), ("/invocations", {"inputs": "x"}),
+                                ("/v1/completions", {"prompt": "x", "max_tokens": 2})):
                 refused = c.post(route, json=body, headers=one)
                 assert refused.status_code == 429, (route, refused.text)
                 assert error_of(refused)["code"] == "rate_limit_exceeded"
