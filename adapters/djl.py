@@ -16,7 +16,7 @@ from adapters.errors import ApiError
 from adapters.limits import MAX_PROMPTS
 from adapters.openai_params import JobSpec, check_token_limit, stop_list
 from adapters.openai_types import decode_request
-from adapters.prompt_size import check_prompt_size
+from adapters.prompt_size import check_prompt_size, encode_bounded
 from adapters.token_text import TokenText
 from engine import ContextLengthExceeded, InvalidParams, JobDelta, SamplingParams
 from engine.config import STRATEGIES
@@ -139,10 +139,12 @@ def build_djl_jobs(req: DjlRequest, opts: DjlOptions, tokenizer, max_model_len: 
         raise ApiError.bad_request(f"inputs must hold 1 to {MAX_PROMPTS} strings", param="inputs")
     for text in ([req.cached_prompt] if req.cached_prompt else []) + inputs:
         check_prompt_size(text, tokenizer, max_model_len, "inputs")
-    head = tokenizer.encode(req.cached_prompt) if req.cached_prompt else []
+    head = encode_bounded(tokenizer, req.cached_prompt, max_model_len, "inputs") \
+        if req.cached_prompt else []
     jobs = []
     for text in inputs:
-        tail = tokenizer.encode(text, add_special_tokens=not head) if text else []
+        tail = encode_bounded(tokenizer, text, max_model_len, "inputs",
+                              add_special_tokens=not head) if text else []
         ids = head + tail
         if not ids:
             raise ApiError.bad_request("inputs must not be empty", param="inputs")

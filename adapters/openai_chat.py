@@ -26,7 +26,7 @@ from adapters.openai_types import (
     TopLogprob,
     Usage,
 )
-from adapters.prompt_size import check_prompt_size
+from adapters.prompt_size import encode_bounded
 from adapters.token_text import TokenText
 from adapters.usage import UsageCounter
 from engine import JobDelta, TokenLogprob
@@ -105,9 +105,10 @@ def _render(tokenizer, messages: list[dict[str, str]], generation_prompt: bool,
     except Exception as exc:  # a template's own checks (role order, ...) are the client's error
         raise ApiError.bad_request(f"The chat template rejected the messages: {exc}",
                                    param="messages") from None
-    if max_model_len is not None:
-        check_prompt_size(text, tokenizer, max_model_len, "messages")
     # The template writes the special tokens itself; adding them again would double the BOS.
+    if max_model_len is not None:
+        return encode_bounded(tokenizer, text, max_model_len, "messages",
+                              add_special_tokens=False)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -20,7 +20,7 @@ from adapters.openai_types import (
     CompletionRequest,
     CompletionResponse,
 )
-from adapters.prompt_size import check_prompt_size
+from adapters.prompt_size import encode_bounded
 from adapters.token_text import TokenText
 from adapters.usage import UsageCounter
 from engine import JobDelta
@@ -59,9 +59,9 @@ def parse_prompts(prompt: str | list, tokenizer, max_model_len: int | None = Non
     out = []
     for item in items:
         if isinstance(item, str):
-            if max_model_len is not None:
-                check_prompt_size(item, tokenizer, max_model_len, "prompt")
-            out.append(Prompt(tokenizer.encode(item), item))
+            ids = tokenizer.encode(item) if max_model_len is None else \
+                encode_bounded(tokenizer, item, max_model_len, "prompt")
+            out.append(Prompt(ids, item))
         else:
             if not item:
                 raise ApiError.bad_request("a token-id prompt must not be empty", param="prompt")
