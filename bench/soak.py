@@ -215,6 +215,18 @@ class SoakRun:
     exit_seconds: float | None
     killed: bool
     cpu: dict  # CpuAccount: server, load generator and other processes, in cores
+    died_at: float | None = None  # seconds into the run the server exited on its own
+
+
+async def under_load(server: ServerProcess, seconds: float) -> bool:
+    """Let the clients run for `seconds`; False as soon as the server process has exited (a
+    crash: the clients would otherwise spin on refused connections until the end)."""
+    end = time.perf_counter() + seconds
+    while (left := end - time.perf_counter()) > 0:
+        if server.proc.poll() is not None:
+            return False
+        await asyncio.sleep(min(0.5, left))
+    return server.proc.poll() is None
 
 
 def wait_for_exit(proc: subprocess.Popen, deadline: float) -> tuple[int | None, float, bool]:
@@ -275,14 +287,25 @@ async def drive(server: ServerProcess, mix: RequestMix, args: argparse.Namespace
                    for _ in range(args.concurrency)]
         series = asyncio.create_task(sample_rss(server, stop, t0, rss.setdefault("series", [])))
         with CpuAccount(server.pid) as cpu, RssSampler(server.pid, interval=1.0) as sampler:
-            await asyncio.sleep(rss["warmup_seconds"])
-            rss["warm"] = await asyncio.to_thread(server.rss)
-            rss["kv_warm"] = await asyncio.to_thread(kv_bytes, server.base_url)
-            rss["warmup_answers"] = sum(o.status is not None for o in outcomes)
-            print(f"  warm-up over: {len(outcomes)} requests done, "
-                  f"RSS {rss['warm'] / 2**20:.0f} MiB", flush=True)
-            await asyncio.sleep(max(0.0, t0 + args.duration - args.drain_lead
-                                    - time.perf_counter()))
+            alive = await under_load(server, rss["warmup_seconds"])
+            if alive:
+                rss["warm"] = await asyncio.to_thread(server.rss)
+                rss["kv_warm"] = await asyncio.to_thread(kv_bytes, server.base_url)
+                rss["warmup_answers"] = sum(o.status is not None for o in outcomes)
+                print(f"  warm-up over: {len(outcomes)} requests done, "
+                      f"RSS {rss['warm'] / 2**20:.0f} MiB", flush=True)
+                alive = await under_load(server, t0 + args.duration - args.drain_lead
+                                         - time.perf_counter())
+        if not alive:
+            stop.set()
+            died_at = time.perf_counter() - t0
+            print(f"  the server exited by itself (code {server.proc.returncode}) at "
+                  f"{died_at:.1f} s, after {len(outcomes)} requests", flush=True)
+            _, pending = await asyncio.wait(clients, timeout=30.0)
+            for task in pending:
+                task.cancel()
+            return SoakRun(outcomes, rss, {}, died_at, server.proc.returncode, 0.0, False,
+                           cpu.to_json(), died_at=died_at)
         rss["end"], rss["peak"] = await asyncio.to_thread(server.rss), sampler.peak
         rss["kv_end"] = await asyncio.to_thread(kv_bytes, server.base_url)
         metrics = await asyncio.to_thread(engine_metrics, server.base_url)
@@ -355,6 +378,7 @@ def soak(args: argparse.Namespace, argv: list[str] | None) -> dict:
                          MixShares(bad=args.bad_share, cut=args.cut_share))
         run = asyncio.run(drive(server, mix, args))
     data["server"] = {"start_seconds": server.start_seconds, "exit_code": run.exit_code,
+                      "died_at": run.died_at,
                       "exit_seconds": run.exit_seconds, "killed": run.killed,
                       "exit_deadline": args.drain_timeout + args.exit_margin,
                       "max_model_len": served.max_model_len, "log": str(log),

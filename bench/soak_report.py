@@ -145,6 +145,9 @@ def targets(data: dict) -> list[Target]:
     slowest_bad = max((b["slowest_seconds"] for b in t["bad_input"]
                        if b["status"] and 400 <= b["status"] < 500), default=None)
     out = [
+        Target("server ran until SIGTERM", "yes" if server.get("died_at") is None else
+               f"no: exited with code {server['exit_code']} at {server['died_at']:.1f} s", "yes",
+               server.get("died_at") is None),
         Target("requests answered 200 before SIGTERM", str(t["answered_ok"]), "> 0",
                t["answered_ok"] > 0),
         Target("longest time without any answer (before SIGTERM)",

@@ -3,14 +3,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
 
 import pytest
 
 from bench.scrape import parse
 from bench.sharegpt import Request
-from bench.soak import abort_free, log_errors, parse_fuzz_output, request_outcomes
+from bench.soak import abort_free, log_errors, parse_fuzz_output, request_outcomes, under_load
 from bench.soak_report import (
     category,
     drain_ending,
@@ -275,3 +280,24 @@ def test_a_stalled_server_is_a_long_silence():
     verdicts = {t.figure: t.passed for t in targets(_data(stalled))}
     assert verdicts["longest time without any answer (before SIGTERM)"] is False
     assert longest_silence([], 10.0) == 10.0
+
+
+def test_the_load_stops_when_the_server_dies():
+    """A crashed server ends the run at once (the clients would otherwise spin on refused
+    connections) and fails the first target."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    t0 = time.perf_counter()
+    assert asyncio.run(under_load(SimpleNamespace(proc=proc), 30.0)) is False
+    assert time.perf_counter() - t0 < 5.0
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    try:
+        assert asyncio.run(under_load(SimpleNamespace(proc=alive), 0.6)) is True
+    finally:
+        alive.kill()
+        alive.wait()
+    data = _data([_o(started=t, ended=t + 1.0, status=200) for t in range(0, 10, 2)])
+    data["server"].update(died_at=12.5, exit_code=-11)
+    verdicts = {t.figure: (t.value, t.passed) for t in targets(data)}
+    assert verdicts["server ran until SIGTERM"] == ("no: exited with code -11 at 12.5 s", False)
+    data["server"]["died_at"] = None
+    assert {t.figure: t.passed for t in targets(data)}["server ran until SIGTERM"] is True
