@@ -7,8 +7,10 @@
 
 What it measures, and why:
   1. Starts `seqgate serve` (the embedded SmolLM2, on the CPU, a free 127.0.0.1 port) and reads
-     the server's RSS at start, after a warm-up (10% of the run, at most 30 s) and at the end:
-     memory that keeps growing under steady load is a leak (target: < 5% after warm-up).
+     the server's RSS at start, after a warm-up (10% of the run, at most 30 s) and at the end,
+     and every 5 s between: memory that keeps growing under steady load is a leak (target:
+     < 5% from the median of the first 15% of the loaded time to the median of the last 15%;
+     single samples move by ±100 MiB with the KV of whatever runs at that instant).
   2. Drives it with `--concurrency` closed-loop clients over the mix of bench/soak_traffic.py:
      ShareGPT chats and completions, streamed or not, greedy or sampled, n=2, stop strings;
      10% cut by the client mid-way (the engine must free their slots), 5% bad input (each must
@@ -37,6 +39,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -218,6 +221,20 @@ class SoakRun:
     died_at: float | None = None  # seconds into the run the server exited on its own
 
 
+def window_growth(series: list[tuple[float, int]], warm_at: float, end_at: float) -> dict:
+    """RSS growth between the median of the samples just after the warm-up and of the last ones
+    before SIGTERM, each window 15% of the loaded time (at least 15 s). One sample at each end
+    moves with the KV of whatever runs at that instant (±100 MiB here); a median does not."""
+    window = max(15.0, 0.15 * (end_at - warm_at))
+    first = [r for t, r in series if warm_at <= t <= warm_at + window]
+    last = [r for t, r in series if end_at - window <= t <= end_at]
+    if not first or not last or warm_at + window > end_at - window:
+        return {}
+    a, b = statistics.median(first), statistics.median(last)
+    return {"window_seconds": window, "warm_median": a, "end_median": b,
+            "median_growth": (b - a) / a}
+
+
 async def under_load(server: ServerProcess, seconds: float) -> bool:
     """Let the clients run for `seconds`; False as soon as the server process has exited (a
     crash: the clients would otherwise spin on refused connections until the end)."""
@@ -328,6 +345,7 @@ async def drive(server: ServerProcess, mix: RequestMix, args: argparse.Namespace
                                                 "exited"))
         outcomes += probes.result() if probes.done() else []
     rss["growth"] = (rss["end"] - rss["warm"]) / rss["warm"] if rss.get("warm") else None
+    rss.update(window_growth(rss.get("series", []), rss["warmup_seconds"], sigterm_at))
     if rss.get("warm") and rss.get("kv_warm") is not None and rss.get("kv_end") is not None:
         # What is not the live batch's KV (which follows the requests running at that moment).
         base = rss["warm"] - rss["kv_warm"]

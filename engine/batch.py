@@ -23,6 +23,24 @@ if TYPE_CHECKING:
 GROWTH_COLUMNS = 64
 
 
+def new_slabs(like: torch.Tensor, shapes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Uninitialised (keys, values) buffers of the given per-layer shapes.
+
+    One allocation for the whole sub-batch where every layer has the same shapes (the usual
+    case): a sub-batch's slabs are created and freed together, and as one block of hundreds of
+    MiB they are mapped and unmapped by the allocator instead of being carved out of its heap.
+    Carved out of the heap, each regroup's slabs (a new size almost every time) left fragments
+    behind that short-lived tensors could not fill, and resident memory crept up under load
+    (docs/reliability.md).
+    """
+    kshape, vshape = shapes[0]
+    if any(s != shapes[0] for s in shapes) or kshape != vshape:
+        return [(like.new_empty(k), like.new_empty(v)) for k, v in shapes]
+    block = like.new_empty((len(shapes), 2, *kshape))
+    return [(block[i, 0], block[i, 1]) for i in range(len(shapes))]
+
+
 class SlabLayer(DynamicLayer):
     """One layer's KV for a sub-batch: a preallocated [b, heads, capacity, dim] buffer, filled up
     to `length`.
@@ -39,9 +57,13 @@ class SlabLayer(DynamicLayer):
         self.keys = self.kbuf[:, :, : self.length]
         self.values = self.vbuf[:, :, : self.length]
 
+    @property
+    def capacity(self) -> int:
+        return self.kbuf.shape[-2]
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         n = key_states.shape[-2]
-        if self.length + n > self.kbuf.shape[-2]:
+        if self.length + n > self.capacity:  # SubBatch.reserve grows all layers at once first
             self._grow(self.length + n + GROWTH_COLUMNS)
         self.kbuf[:, :, self.length : self.length + n] = key_states
         self.vbuf[:, :, self.length : self.length + n] = value_states
@@ -123,6 +145,21 @@ class SubBatch:
         """After a decode forward: every row gained one column."""
         self.width += 1
 
+    def reserve(self, columns: int) -> None:
+        """Make room for `columns` columns in every layer, moving the slabs to a larger block
+        (with `GROWTH_COLUMNS` to spare) when they are full. Called before each decode forward."""
+        layers = self.cache.layers
+        if columns <= min(layer.capacity for layer in layers):
+            return
+        capacity = columns + GROWTH_COLUMNS
+        shapes = [((*layer.kbuf.shape[:2], capacity, layer.kbuf.shape[-1]),
+                   (*layer.vbuf.shape[:2], capacity, layer.vbuf.shape[-1])) for layer in layers]
+        for layer, (k, v) in zip(layers, new_slabs(layers[0].kbuf, shapes)):
+            k[:, :, : layer.length] = layer.kbuf[:, :, : layer.length]
+            v[:, :, : layer.length] = layer.vbuf[:, :, : layer.length]
+            layer.kbuf, layer.vbuf = k, v
+            layer._views()
+
 
 def build_sub_batch(seqs: list[Sequence], sources: list[tuple[SubBatch, int] | RowKV]) -> SubBatch:
     """Write rows into a fresh left-padded slab, `GROWTH_COLUMNS` wide beyond the longest row.
@@ -142,17 +179,20 @@ def build_sub_batch(seqs: list[Sequence], sources: list[tuple[SubBatch, int] | R
             dsts.append(dst)
             rows.append(src[1])
     proto = fresh[0][1] if fresh else None
-    layers = []
+    shapes = []
     for li in range(_layer_count(sources)):
         if proto is not None:
             ref_k, ref_v = proto.keys[li], proto.values[li]
             heads, kdim, vdim = ref_k.shape[0], ref_k.shape[-1], ref_v.shape[-1]
         else:
             old = next(iter(moved)).cache.layers[li]
-            ref_k, ref_v = old.kbuf, old.vbuf
-            heads, kdim, vdim = ref_k.shape[1], ref_k.shape[-1], ref_v.shape[-1]
-        kbuf = ref_k.new_empty((len(seqs), heads, width + GROWTH_COLUMNS, kdim))
-        vbuf = ref_v.new_empty((len(seqs), heads, width + GROWTH_COLUMNS, vdim))
+            ref_k = old.kbuf
+            heads, kdim, vdim = ref_k.shape[1], ref_k.shape[-1], old.vbuf.shape[-1]
+        shapes.append(((len(seqs), heads, width + GROWTH_COLUMNS, kdim),
+                       (len(seqs), heads, width + GROWTH_COLUMNS, vdim)))
+    like = proto.keys[0] if proto is not None else next(iter(moved)).cache.layers[0].kbuf
+    layers = []
+    for li, (kbuf, vbuf) in enumerate(new_slabs(like, shapes)):
         # Padding must hold finite values (masked scores still multiply V); zero the used window.
         kbuf[:, :, :width].zero_()
         vbuf[:, :, :width].zero_()

@@ -86,6 +86,7 @@ class ModelRunner:
         """Feed every row's pending token; returns logits [rows, vocab] and last-layer hidden
         [rows, hidden].
         """
+        sb.reserve(sb.width + 1)
         out = self._forward(
             **sb.decode_inputs(),
             past_key_values=sb.cache,
@@ -102,6 +103,8 @@ class ModelRunner:
 
         Returns, per sub-batch, what `decode` returns for it.
         """
+        for sb in sub_batches:
+            sb.reserve(sb.width + 1)
         inputs = [sb.decode_inputs() for sb in sub_batches]
         out = self._forward(
             input_ids=torch.cat([i["input_ids"] for i in inputs]),
