@@ -132,7 +132,8 @@ def djl_params(opts: DjlOptions) -> SamplingParams:
 def build_djl_jobs(req: DjlRequest, opts: DjlOptions, tokenizer, max_model_len: int,
                    max_tokens_limit: int = 0) -> list[JobSpec]:
     """One job per input. The cached prompt is tokenized on its own and put in front, so its ids
-    (the prompt-cache key) are the same for every request whatever follows them."""
+    are the same for every request whatever follows them, and the engine's prefix cache reuses
+    them."""
     inputs = [req.inputs] if isinstance(req.inputs, str) else req.inputs
     check_token_limit(opts.max_new_tokens, max_tokens_limit, "parameters.max_new_tokens")
     if not inputs or len(inputs) > MAX_PROMPTS:
@@ -152,7 +153,7 @@ def build_djl_jobs(req: DjlRequest, opts: DjlOptions, tokenizer, max_model_len: 
         if len(ids) + params.max_new_tokens > max_model_len:
             exc = ContextLengthExceeded(len(ids), params.max_new_tokens, max_model_len, "inputs")
             raise ApiError(400, str(exc), "context_length_exceeded", "inputs")
-        jobs.append(JobSpec(ids, params, prefix_len=len(head)))
+        jobs.append(JobSpec(ids, params))
     return jobs
 
 

@@ -97,11 +97,16 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return out
 
 
-def _render(tokenizer, messages: list[dict[str, str]], generation_prompt: bool,
-            max_model_len: int | None = None) -> list[int]:
+def render_prompt(tokenizer, messages: list[dict[str, str]],
+                  max_model_len: int | None = None) -> list[int]:
+    """Prompt ids for the conversation, as the model's chat template renders it. (The engine's
+    prefix cache finds whatever head of them it already holds: no prefix is marked here.)"""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ApiError.bad_request("This model has no chat template; use /v1/completions.",
+                                   param="messages", code="chat_template_missing")
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=generation_prompt)
+                                             add_generation_prompt=True)
     except Exception as exc:  # a template's own checks (role order, ...) are the client's error
         raise ApiError.bad_request(f"The chat template rejected the messages: {exc}",
                                    param="messages") from None
@@ -112,31 +117,11 @@ def _render(tokenizer, messages: list[dict[str, str]], generation_prompt: bool,
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def render_prompt(tokenizer, messages: list[dict[str, str]],
-                  max_model_len: int | None = None) -> tuple[list[int], int]:
-    """Prompt ids for the conversation, and how many leading ids are the system-prompt prefix.
-
-    The prefix is what the template renders for the leading system messages alone; it is the
-    prompt-cache key only if those ids really start the full prompt (a template may render the
-    system prompt differently in context), otherwise 0.
-    """
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ApiError.bad_request("This model has no chat template; use /v1/completions.",
-                                   param="messages", code="chat_template_missing")
-    ids = _render(tokenizer, messages, generation_prompt=True, max_model_len=max_model_len)
-    k = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
-    if k == 0:
-        return ids, 0
-    head = _render(tokenizer, messages[:k], generation_prompt=False)
-    return ids, len(head) if ids[: len(head)] == head else 0
-
-
 def build_chat_job(req: ChatCompletionRequest, tokenizer, max_model_len: int,
                    max_tokens_limit: int = 0) -> JobSpec:
     """Translate a chat request into one engine job; raises ApiError before any submission."""
     check_supported(req)
-    prompt_ids, prefix_len = render_prompt(tokenizer, template_messages(req.messages),
-                                           max_model_len)
+    prompt_ids = render_prompt(tokenizer, template_messages(req.messages), max_model_len)
     # ChatOpenAI sends max_completion_tokens, older clients max_tokens; the newer name wins.
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"
@@ -146,7 +131,7 @@ def build_chat_job(req: ChatCompletionRequest, tokenizer, max_model_len: int,
                             max_tokens_limit)
     params = sampling_params(req, max_tokens=budget, logprobs=bool(req.logprobs),
                              top_logprobs=req.top_logprobs or 0)
-    return JobSpec(prompt_ids, params, prefix_len)
+    return JobSpec(prompt_ids, params)
 
 
 def chat_logprobs(logprobs: list[TokenLogprob], token_text: TokenText) -> list[TokenLogprobEntry]:

@@ -19,11 +19,10 @@ from engine.sampling_params import MAX_LOGIT_BIAS
 
 @dataclass
 class JobSpec:
-    """One engine job to submit: prompt token ids, the cacheable prefix length, the parameters."""
+    """One engine job to submit: prompt token ids and the parameters."""
 
     prompt_ids: list[int]
     params: SamplingParams
-    prefix_len: int = 0
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,10 @@ class _EngineCollector(Collector):
                                 value=s.queued)
         yield GaugeMetricFamily("seqgate_running_sequences", "Sequences in the rolling batch",
                                 value=s.running)
-        yield GaugeMetricFamily("seqgate_prompt_cache_bytes", "Bytes held by the prompt cache",
+        yield GaugeMetricFamily("seqgate_prompt_cache_bytes", "Bytes held by the prefix cache",
                                 value=s.prefix_cache_bytes)
+        yield GaugeMetricFamily("seqgate_prompt_cache_entries", "Nodes of the prefix cache's "
+                                "radix tree holding KV", value=s.prefix_cache_entries)
         yield GaugeMetricFamily("seqgate_kv_cache_bytes", "Bytes held by the rolling batch's KV "
                                 "(padding and preallocated columns included)", value=s.kv_bytes)
         yield GaugeMetricFamily("seqgate_kv_cache_peak_bytes", "Most bytes the rolling batch's KV "
@@ -44,10 +46,14 @@ class _EngineCollector(Collector):
             ("seqgate_engine_steps", "Engine steps run", s.steps),
             ("seqgate_prompt_tokens", "Prompt tokens submitted to the engine", s.prompt_tokens),
             ("seqgate_generated_tokens", "Tokens generated", s.generated_tokens),
-            ("seqgate_prompt_cache_hits", "Prefills that reused a cached system prompt",
+            ("seqgate_prompt_cache_hits", "Prefills that reused a cached prefix of their prompt",
              s.cache_hits),
+            ("seqgate_prompt_cache_misses", "Prefills that found no cached prefix to reuse",
+             s.cache_misses),
             ("seqgate_prompt_cache_cached_tokens", "Prompt tokens whose KV came from the cache",
              s.cached_tokens),
+            ("seqgate_prompt_cache_evictions", "Radix-tree nodes evicted from the prefix cache",
+             s.prefix_cache_evictions),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

@@ -46,7 +46,7 @@ def submit_all(engine: Engine, specs: list[JobSpec], prompt_param: str) -> list[
     handles: list[JobHandle] = []
     try:
         for spec in specs:
-            handles.append(engine.submit(spec.prompt_ids, spec.params, spec.prefix_len))
+            handles.append(engine.submit(spec.prompt_ids, spec.params))
     except Exception as exc:
         for h in handles:
             engine.abort(h.job_id)

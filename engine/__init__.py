@@ -1,4 +1,4 @@
-"""seq-scheduler: rolling batching with max-sparsity splitting and a system-prompt KV cache."""
+"""seq-scheduler: rolling batching with max-sparsity splitting and a radix prefix KV cache."""
 
 from engine.config import ConfigError, EngineConfig
 from engine.engine import ContextLengthExceeded, Engine, EngineStats, EngineStopped, JobHandle

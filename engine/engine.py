@@ -22,7 +22,7 @@ from engine.detokenize import IncrementalDetokenizer
 from engine.job import Job, SeqStatus, Sequence
 from engine.loader import LoadedModel, load_model
 from engine.outputs import JobDelta, StepStats
-from engine.prefix_cache import PrefixCache, PrefixEntry
+from engine.radix_cache import PrefixEntry, RadixPrefixCache
 from engine.runner import ModelRunner
 from engine.sampling_params import InvalidParams, SamplingParams
 from engine.scheduler import Scheduler, StepPlan
@@ -94,9 +94,12 @@ class EngineStats:
     last_step: StepStats | None = None
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    cache_hits: int = 0
-    cached_tokens: int = 0
+    cache_hits: int = 0  # prefills that reused a cached prefix
+    cache_misses: int = 0  # prefills that found none (with the cache on)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the cache
     prefix_cache_bytes: int = 0
+    prefix_cache_entries: int = 0  # nodes of the radix tree holding KV
+    prefix_cache_evictions: int = 0
     kv_bytes: int = 0  # held by the rolling batch's slabs after the last step
     peak_kv_bytes: int = 0  # the most they held after any step
     finished_by_reason: Counter = field(default_factory=Counter)
@@ -118,7 +121,7 @@ class Engine:
         self.fused = self.config.fuse_sub_batches and fused.install(self.loaded.model)
         self.scheduler = Scheduler(self.config)
         self.batch = RollingBatch()
-        self.prefix_cache = PrefixCache(self.config.prompt_cache_bytes)
+        self.prefix_cache = RadixPrefixCache(self.config.prompt_cache_bytes)
         self.decoder = TokenDecoder(self.runner, self.eos_ids, self.max_model_len)
         self._stats = EngineStats()
         self._listeners: list[Callable[[StepStats], None]] = []
@@ -186,7 +189,6 @@ class Engine:
         self,
         prompt_ids: list[int],
         params: SamplingParams,
-        prefix_len: int = 0,
         job_id: str | None = None,
     ) -> JobHandle:
         """Queue a job; its output arrives on the returned handle. Raises QueueFull, InvalidParams,
@@ -222,7 +224,6 @@ class Engine:
             prompt_ids=list(prompt_ids),
             params=params,
             strategy=strategy,
-            prefix_len=max(0, min(prefix_len, len(prompt_ids))),
             emit=handle._put,
         )
         job.seqs = [Sequence(job, i) for i in range(params.n)]
@@ -246,6 +247,8 @@ class Engine:
         s.queued = len(self.scheduler.queue)
         s.running = len(self.scheduler.running)
         s.prefix_cache_bytes = self.prefix_cache.nbytes
+        s.prefix_cache_entries = len(self.prefix_cache)
+        s.prefix_cache_evictions = self.prefix_cache.evictions
         s.generated_tokens = self.decoder.generated_tokens
         return s
 
@@ -325,30 +328,27 @@ class Engine:
         return new_rows
 
     def _prefill_job(self, job: Job):
+        """Prefill a job's prompt from the longest cached prefix of it, then cache the prompt:
+        the next turn of a conversation, or any prompt sharing its head, starts from it."""
         ids, chunk = job.prompt_ids, self.config.prefill_chunk_tokens
         want_hidden = job.strategy == "contrastive"
-        # A prefix covering the whole prompt still leaves one token to compute for the logits.
-        usable = min(job.prefix_len, len(ids) - 1)
         self._stats.prompt_tokens += len(ids)
-        if self.config.prompt_cache_bytes and usable >= self.config.prompt_cache_min_tokens:
-            key = tuple(ids[:usable])
-            entry = self.prefix_cache.lookup(key, need_hidden=want_hidden)
-            if entry is None:
-                head = self.runner.prefill(ids, None, chunk, want_hidden, stop_at=usable)
-                row = row_from_cache(head.cache)
-                entry = PrefixEntry(
-                    [k.clone() for k in row.keys],
-                    [v.clone() for v in row.values],
-                    head.hidden.clone() if head.hidden is not None else None,
-                    usable,
-                )
-                self.prefix_cache.insert(key, entry)
-            else:
-                job.cached_tokens = usable
-                self._stats.cache_hits += 1
-                self._stats.cached_tokens += usable
-            return self.runner.prefill(ids, entry, chunk, want_hidden)
-        return self.runner.prefill(ids, None, chunk, want_hidden)
+        if not self.config.prompt_cache_bytes:
+            return self.runner.prefill(ids, None, chunk, want_hidden)
+        # A prefix covering the whole prompt still leaves one token to compute for the logits.
+        entry = self.prefix_cache.match(ids, len(ids) - 1, need_hidden=want_hidden,
+                                        min_tokens=self.config.prompt_cache_min_tokens)
+        result = self.runner.prefill(ids, entry, chunk, want_hidden)
+        if entry is None:
+            self._stats.cache_misses += 1
+        else:
+            job.cached_tokens = entry.length
+            self._stats.cache_hits += 1
+            self._stats.cached_tokens += entry.length
+        row = row_from_cache(result.cache)
+        self.prefix_cache.insert(ids, PrefixEntry(row.keys, row.values, result.hidden,
+                                                  row.length))
+        return result
 
     def _decode_all(self, touched: dict[str, Job]) -> None:
         """One decode step for every sub-batch: fused into one forward, or one forward each."""

@@ -98,10 +98,9 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     strategy: str  # resolved: greedy | sample | contrastive
-    prefix_len: int = 0  # leading prompt tokens that form the prompt-cache key
     emit: Callable[[JobDelta | None], None] = lambda d: None  # None = end of stream
     seqs: list[Sequence] = field(default_factory=list)
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prompt cache
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     closed: bool = False

@@ -11,7 +11,7 @@ from transformers.cache_utils import DynamicCache
 
 from engine.batch import RowKV, SubBatch
 from engine.fused import FusedCache
-from engine.prefix_cache import PrefixEntry
+from engine.radix_cache import PrefixEntry
 
 
 @dataclass
@@ -43,15 +43,13 @@ class ModelRunner:
         prefix: PrefixEntry | None,
         chunk: int,
         want_hidden: bool,
-        stop_at: int | None = None,
     ) -> PrefillResult:
         """Run `ids` through the model in chunks of at most `chunk` tokens.
 
         With `prefix`, its KV stands for the first `prefix.length` ids and only the rest is
         computed.
-        With `stop_at`, only ids[:stop_at] are computed (used to build a prefix entry first).
         """
-        end = len(ids) if stop_at is None else stop_at
+        end = len(ids)
         start = 0
         hidden_parts: list[torch.Tensor] = []
         if prefix is not None:

@@ -80,7 +80,7 @@ class OpsController(Controller):
                 raise ApiError.bad_request("send exactly one of prompt or messages",
                                            param="prompt")
             if req.messages is not None:
-                return render_prompt(engine.tokenizer, template_messages(req.messages))[0]
+                return render_prompt(engine.tokenizer, template_messages(req.messages))
             add = True if req.add_special_tokens is None else req.add_special_tokens
             return engine.tokenizer.encode(req.prompt, add_special_tokens=add)
 

@@ -67,19 +67,12 @@ def test_harmless_values_of_unsupported_parameters_pass():
                                           modalities=["text"]))
 
 
-def test_system_prefix_is_the_leading_system_render(tokenizer):
+def test_prompt_is_the_chat_templates_render(tokenizer):
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
-    ids, prefix = render_prompt(tokenizer, messages)
-    head = tokenizer.encode(tokenizer.apply_chat_template(messages[:1], tokenize=False),
-                            add_special_tokens=False)
-    assert prefix == len(head) > 0 and ids[:prefix] == head
+    ids = render_prompt(tokenizer, messages)
     full = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert tokenizer.decode(ids) == full
-
-
-def test_no_system_message_means_no_prefix(tokenizer):
-    ids, prefix = render_prompt(tokenizer, [{"role": "user", "content": "Hi"}])
-    assert prefix == 0 and ids
+    assert ids == tokenizer.encode(full, add_special_tokens=False)
 
 
 def test_build_chat_job(tokenizer):
@@ -87,7 +80,6 @@ def test_build_chat_job(tokenizer):
                                 max_completion_tokens=5, max_tokens=99, temperature=0)
     spec = build_chat_job(req, tokenizer, 8192)
     assert spec.params.max_new_tokens == 5 and spec.params.strategy == "greedy"
-    assert spec.prefix_len > 0
     with pytest.raises(ApiError) as info:
         build_chat_job(ChatCompletionRequest(messages=[msg("user", "Hi")], max_tokens=20),
                        tokenizer, 30)

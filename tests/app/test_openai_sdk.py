@@ -37,7 +37,7 @@ def test_chat_matches_the_engine_and_conforms(live_server, schema_errors):
     assert choice.message.role == "assistant" and choice.message.refusal is None
     assert choice.logprobs is None and choice.finish_reason in ("stop", "length")
     assert completion.usage.completion_tokens <= 12 and completion.system_fingerprint
-    ids, _ = render_prompt(live_server.engine.tokenizer, HELLO)
+    ids = render_prompt(live_server.engine.tokenizer, HELLO)
     assert completion.usage.prompt_tokens == len(ids)
     assert choice.message.content == engine_greedy_text(live_server.engine, ids, 12)
 
@@ -136,18 +136,40 @@ def test_logprobs_greedy_top_is_the_choice(live_server):
     assert "".join(e.token for e in content) == r.choices[0].message.content
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def test_repeated_system_prompt_reports_cached_tokens(live_server):
     client = live_server.client()
+    tok = live_server.engine.tokenizer
     messages = [{"role": "system", "content": LONG_SYSTEM}]
-    _, prefix = render_prompt(live_server.engine.tokenizer,
-                              [*messages, {"role": "user", "content": "x"}])
-    assert prefix >= live_server.engine.config.prompt_cache_min_tokens
-    client.chat.completions.create(messages=[*messages, {"role": "user", "content": "Hammers?"}],
-                                   model="", max_tokens=4, temperature=0)
-    second = client.chat.completions.create(
-        messages=[*messages, {"role": "user", "content": "Do you sell nails?"}], model="",
-        max_tokens=4, temperature=0)
-    assert second.usage.prompt_tokens_details.cached_tokens == prefix
+    first = [*messages, {"role": "user", "content": "Hammers?"}]
+    second = [*messages, {"role": "user", "content": "Do you sell nails?"}]
+    shared = _common_prefix(render_prompt(tok, first), render_prompt(tok, second))
+    assert shared >= live_server.engine.config.prompt_cache_min_tokens
+    client.chat.completions.create(messages=first, model="", max_tokens=4, temperature=0)
+    answer = client.chat.completions.create(messages=second, model="", max_tokens=4,
+                                            temperature=0)
+    # At least the shared head (system prompt and the user turn's header) came from the cache.
+    cached = answer.usage.prompt_tokens_details.cached_tokens
+    assert shared <= cached < answer.usage.prompt_tokens
+
+
+def test_the_next_turn_of_a_conversation_reuses_the_whole_first_turn(live_server):
+    client = live_server.client()
+    tok = live_server.engine.tokenizer
+    turn1 = [{"role": "system", "content": LONG_SYSTEM},
+             {"role": "user", "content": "Which glue holds ceramic best?"}]
+    r1 = client.chat.completions.create(messages=turn1, model="", max_tokens=8, temperature=0)
+    turn2 = [*turn1, {"role": "assistant", "content": r1.choices[0].message.content},
+             {"role": "user", "content": "And for glass?"}]
+    r2 = client.chat.completions.create(messages=turn2, model="", max_tokens=8, temperature=0)
+    first_prompt = render_prompt(tok, turn1)
+    shared = _common_prefix(first_prompt, render_prompt(tok, turn2))
+    assert shared >= len(first_prompt) - 3  # the first turn, up to its generation prompt
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert shared <= cached < r2.usage.prompt_tokens
 
 
 def test_completions_prompt_shapes_and_choice_order(live_server, schema_errors):

@@ -37,7 +37,9 @@ def test_metrics_cover_requests_engine_and_latency(http):
     for name in ("seqgate_http_requests_total", "seqgate_queue_depth",
                  "seqgate_running_sequences", "seqgate_step_sub_batches_bucket",
                  "seqgate_step_sparsity_bucket", "seqgate_prompt_cache_hits_total",
-                 "seqgate_prompt_cache_cached_tokens_total", "seqgate_prompt_tokens_total",
+                 "seqgate_prompt_cache_cached_tokens_total",
+                 "seqgate_prompt_cache_misses_total", "seqgate_prompt_cache_evictions_total",
+                 "seqgate_prompt_cache_entries", "seqgate_prompt_tokens_total",
                  "seqgate_generated_tokens_total", "seqgate_time_to_first_token_seconds_bucket",
                  "seqgate_time_per_output_token_seconds_bucket", "seqgate_kv_cache_bytes",
                  "seqgate_kv_cache_peak_bytes"):

@@ -1,5 +1,6 @@
 """Greedy output equals transformers `generate`, token for token: alone, in a rolling batch with
-joins at different steps and max-sparsity splitting, and with the system-prompt cache."""
+joins at different steps and max-sparsity splitting, and with the radix prefix cache (shared
+system prompts, later turns of a conversation, prompts sharing only part of a head)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,20 @@ def greedy(n: int, min_new: int = 0) -> SamplingParams:
     return SamplingParams(strategy="greedy", max_new_tokens=n, min_new_tokens=min_new)
 
 
-def _chat(tokenizer, system: str, user: str) -> tuple[list[int], int]:
-    msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-    full = tokenizer.encode(
-        tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+def _render(tokenizer, msgs: list[dict[str, str]]) -> list[int]:
+    return tokenizer.encode(
+        tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
     )
-    head = tokenizer.encode(tokenizer.apply_chat_template(msgs[:1], tokenize=False))
-    assert full[: len(head)] == head
-    return full, len(head)
+
+
+def _chat(tokenizer, system: str, user: str) -> list[int]:
+    return _render(tokenizer, [{"role": "system", "content": system},
+                               {"role": "user", "content": user}])
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 SYSTEM = (
@@ -53,15 +60,14 @@ def test_rolling_batch_with_splitting_and_cache_equals_generate(smollm2, make_en
     )
     assert eng.fused == fuse
     # Ten plain prompts of 5 to 500 tokens, and four chats sharing one cached system prompt.
-    jobs = [(ids, 0) for ids in varied_prompts(tok, 10)]
+    jobs = list(varied_prompts(tok, 10))
     jobs[2:2] = [_chat(tok, SYSTEM, q) for q in QUESTIONS]
     # Every job runs its whole budget (EOS blocked, on both sides): they leave at different steps.
     budgets = [10 + 3 * i for i in range(len(jobs))]
     handles, stats, i = {}, [], 0
 
     def submit(i: int) -> None:
-        ids, prefix = jobs[i]
-        handles[i] = eng.submit(ids, greedy(budgets[i], budgets[i]), prefix_len=prefix)
+        handles[i] = eng.submit(jobs[i], greedy(budgets[i], budgets[i]))
 
     # Three jobs start together; the rest join one every third step while the batch runs.
     for _ in range(3):
@@ -78,7 +84,7 @@ def test_rolling_batch_with_splitting_and_cache_equals_generate(smollm2, make_en
     assert sum(s.cached_prompt_tokens > 0 for s in stats) >= 3, "the prompt cache should hit"
     for j, h in handles.items():
         got = collect(h)[0]
-        ref = reference_greedy(smollm2.model, jobs[j][0], budgets[j], budgets[j])
+        ref = reference_greedy(smollm2.model, jobs[j], budgets[j], budgets[j])
         assert got["tokens"] == ref, f"job {j}"
 
 
@@ -86,15 +92,17 @@ def test_prompt_cache_hits_and_equals_generate(smollm2, make_engine):
     tok = smollm2.tokenizer
     eng = make_engine(smollm2, max_rolling_batch_size=8)
     jobs = [_chat(tok, SYSTEM, q) for q in QUESTIONS]
-    first = eng.submit(jobs[0][0], greedy(20), prefix_len=jobs[0][1])
+    first = eng.submit(jobs[0], greedy(20))
     eng.run_until_idle()
-    rest = [eng.submit(ids, greedy(20), prefix_len=p) for ids, p in jobs[1:]]
+    rest = [eng.submit(ids, greedy(20)) for ids in jobs[1:]]
     eng.run_until_idle()
     outs = [collect(first)[0]] + [collect(h)[0] for h in rest]
     assert outs[0]["deltas"][-1].cached_tokens == 0  # the miss that filled the cache
-    for (_, p), got in zip(jobs[1:], outs[1:]):
-        assert got["deltas"][-1].cached_tokens == p > 0
-    for (ids, _), got in zip(jobs, outs):
+    for i, got in enumerate(outs[1:], 1):
+        # The longest head it shares with any prompt before it (all were cached).
+        shared = max(_common(jobs[i], jobs[j]) for j in range(i))
+        assert got["deltas"][-1].cached_tokens == shared > len(tok.encode(SYSTEM))
+    for ids, got in zip(jobs, outs):
         assert got["tokens"] == reference_greedy(smollm2.model, ids, 20)
     assert eng.prefix_cache.hits == 3
     eng.prefix_cache.check_integrity()
@@ -104,12 +112,47 @@ def test_prompt_cache_off_gives_same_output(smollm2, make_engine):
     tok = smollm2.tokenizer
     on = make_engine(smollm2)
     off = make_engine(smollm2, prompt_cache_bytes=0)
-    ids, p = _chat(tok, SYSTEM, QUESTIONS[1])
+    ids = _chat(tok, SYSTEM, QUESTIONS[1])
     outs = []
     for eng in (on, on, off):
-        h = eng.submit(ids, greedy(16), prefix_len=p)
+        h = eng.submit(ids, greedy(16))
         eng.run_until_idle()
         outs.append(collect(h)[0])
-    assert outs[1]["deltas"][-1].cached_tokens == p
+    assert outs[1]["deltas"][-1].cached_tokens == len(ids) - 1  # all but the last token
     assert outs[2]["deltas"][-1].cached_tokens == 0
     assert outs[0]["tokens"] == outs[1]["tokens"] == outs[2]["tokens"]
+
+
+def test_later_turns_and_partly_shared_heads_equal_generate(smollm2, make_engine):
+    """A three-turn conversation (each turn sent with the whole history, as chat clients do)
+    and system prompts that share only part of their text: each later prompt reuses what the
+    earlier ones cached, and every output equals `generate` and the cache-off engine's."""
+    tok = smollm2.tokenizer
+    on = make_engine(smollm2, max_rolling_batch_size=8)
+    off = make_engine(smollm2, max_rolling_batch_size=8, prompt_cache_bytes=0)
+    history = [{"role": "system", "content": SYSTEM}]
+    prompts: list[list[int]] = []
+    for question in QUESTIONS[:3]:
+        history.append({"role": "user", "content": question})
+        ids = _render(tok, history)
+        h = on.submit(ids, greedy(12))
+        on.run_until_idle()
+        got = collect(h)[0]
+        if prompts:  # the whole previous turn's prompt came from the cache
+            assert got["deltas"][-1].cached_tokens == _common(prompts[-1], ids)
+            assert got["deltas"][-1].cached_tokens >= len(prompts[-1]) - 3
+        prompts.append(ids)
+        assert got["tokens"] == reference_greedy(smollm2.model, ids, 12)
+        history.append({"role": "assistant", "content": got["text"]})
+    # Another system prompt with the same first sentence: only that head is shared.
+    other = SYSTEM.split(". ")[0] + ". Reply in French, and keep every answer under ten words."
+    ids = _chat(tok, other, QUESTIONS[0])
+    shared = _common(ids, prompts[0])
+    assert 16 <= shared < len(tok.encode(SYSTEM))
+    handles = [eng.submit(ids, greedy(12)) for eng in (on, off)]
+    on.run_until_idle()
+    off.run_until_idle()
+    with_cache, without = (collect(h)[0] for h in handles)
+    assert with_cache["deltas"][-1].cached_tokens == shared
+    assert with_cache["tokens"] == without["tokens"] == reference_greedy(smollm2.model, ids, 12)
+    on.prefix_cache.check_integrity()
