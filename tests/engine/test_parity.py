@@ -144,8 +144,8 @@ def test_later_turns_and_partly_shared_heads_equal_generate(smollm2, make_engine
         prompts.append(ids)
         assert got["tokens"] == reference_greedy(smollm2.model, ids, 12)
         history.append({"role": "assistant", "content": got["text"]})
-    # Another system prompt with the same first sentence: only that head is shared.
-    other = SYSTEM.split(". ")[0] + ". Reply in French, and keep every answer under ten words."
+    # Another system prompt with the same first two sentences: only that head is shared.
+    other = SYSTEM.rsplit(" Be polite", 1)[0] + " Reply in French, in under ten words."
     ids = _chat(tok, other, QUESTIONS[0])
     shared = _common(ids, prompts[0])
     assert 16 <= shared < len(tok.encode(SYSTEM))
