@@ -105,6 +105,12 @@ class EngineStats:
     finished_by_reason: Counter = field(default_factory=Counter)
 
 
+# Sequences whose prompt and answer go into the prefix cache when they end (not aborted or failed
+# ones: a client that gave up is unlikely to send the history back).
+_CACHED_ENDINGS = frozenset({SeqStatus.EOS, SeqStatus.STOP_TOKEN, SeqStatus.STOP_STRING,
+                             SeqStatus.LENGTH})
+
+
 class Engine:
     """The seq-scheduler. One thread owns the model and runs `step()` while there is work."""
 
@@ -288,6 +294,7 @@ class Engine:
             part, groups = self.scheduler.partition()
             self.batch.regroup(groups, new_rows)
         self._decode_all(touched)
+        self._cache_finished()
         t2 = time.perf_counter()
         self._publish(touched)
         return self._record(plan, part, t1 - t0, t2 - t1)
@@ -381,6 +388,23 @@ class Engine:
                 if states is not None and s.hidden is not None:
                     s.hidden = torch.cat([s.hidden, states[i : i + 1]])
             self.decoder.choose(sb.seqs, logits, [sb] * sb.size)
+
+    def _cache_finished(self) -> None:
+        """Insert every sequence that ended this step normally, its prompt and its answer, into
+        the prefix cache (RadixAttention caches finished requests too): a chat client sends the
+        answer back as history in its next turn. Its KV is still in the batch until the next
+        step's regroup drops the row."""
+        if not self.config.prompt_cache_bytes:
+            return
+        for sb in self.batch.sub_batches:
+            for i, s in enumerate(sb.seqs):
+                if s.status not in _CACHED_ENDINGS or s.kv_len <= len(s.job.prompt_ids):
+                    continue
+                ids = (s.job.prompt_ids + s.generated)[: s.kv_len]
+                hidden = s.hidden if s.hidden is not None and len(s.hidden) == s.kv_len else None
+                row = sb.row(i)
+                self.prefix_cache.insert(ids, PrefixEntry(row.keys, row.values, hidden,
+                                                          row.length))
 
     def _fail_all(self, message: str) -> None:
         touched = {}
