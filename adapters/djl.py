@@ -15,7 +15,7 @@ from msgspec import UNSET, Struct, UnsetType
 from adapters.errors import ApiError
 from adapters.limits import MAX_PROMPTS
 from adapters.openai_params import JobSpec, check_token_limit, stop_list
-from adapters.openai_types import decode_request
+from adapters.openai_types import convert, decode_request
 from adapters.prompt_size import check_prompt_size, encode_bounded
 from adapters.token_text import TokenText
 from engine import ContextLengthExceeded, InvalidParams, JobDelta, SamplingParams
@@ -90,8 +90,7 @@ def decode_djl(body: bytes) -> tuple[DjlRequest, DjlOptions]:
     if extra := sorted(set(raw) - _KNOWN_PARAMETERS):
         log.info("/invocations: ignoring unknown parameters %s", extra)
     try:
-        opts = msgspec.convert({k: v for k, v in raw.items() if k in _KNOWN_PARAMETERS},
-                               DjlOptions)
+        opts = convert({k: v for k, v in raw.items() if k in _KNOWN_PARAMETERS}, DjlOptions)
     except msgspec.ValidationError as exc:
         raise ApiError.bad_request(f"Invalid parameters: {exc}", param="parameters",
                                    code="invalid_type") from None

@@ -10,6 +10,7 @@ null; fields that must be absent when unused are `UNSET`.
 from __future__ import annotations
 
 import re
+import threading
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -268,6 +269,20 @@ def _param_of(message: str) -> str | None:
     return ".".join(parts) or None
 
 
+# msgspec builds a Struct type's conversion info on its first use, and two threads converting to
+# a type for the first time at once crash the process (a segmentation fault in msgspec 0.22 on
+# CPython 3.11; reproduced by tests/adapters/test_openai_types.py). Requests are prepared on a
+# pool of threads, so every conversion takes this lock: it costs microseconds, a crash costs
+# every stream.
+_CONVERT_LOCK = threading.Lock()
+
+
+def convert(obj: object, type_: type[T]) -> T:
+    """`msgspec.convert`, one thread at a time (see _CONVERT_LOCK)."""
+    with _CONVERT_LOCK:
+        return msgspec.convert(obj, type_)
+
+
 def decode_request(body: bytes, type_: type[T]) -> tuple[T, list[str]]:
     """Decode a JSON request body into `type_`; returns it and the unknown top-level fields.
 
@@ -285,7 +300,7 @@ def decode_request(body: bytes, type_: type[T]) -> tuple[T, list[str]]:
     # null means absent: drop it here so every field's default applies.
     clean = {k: v for k, v in raw.items() if k in known and v is not None}
     try:
-        return msgspec.convert(clean, type_), unknown
+        return convert(clean, type_), unknown
     except msgspec.ValidationError as exc:
         message = str(exc)
         missing = "missing required field" in message

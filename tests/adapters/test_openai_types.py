@@ -1,3 +1,7 @@
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from adapters.errors import ApiError
@@ -48,3 +52,45 @@ def test_completion_prompt_shapes_decode():
     for prompt in (b'"a"', b'["a", "b"]', b"[1, 2]", b"[[1], [2, 3]]"):
         req, _ = decode_request(b'{"prompt": ' + prompt + b"}", CompletionRequest)
         assert req.prompt
+
+
+CONCURRENT_FIRST_USE = """
+import sys, threading
+sys.setswitchinterval(1e-6)
+import msgspec
+from typing import Literal, Optional, Union
+from adapters.openai_types import convert
+
+for k in range(200):
+    ns = {"msgspec": msgspec, "Literal": Literal, "Optional": Optional, "Union": Union}
+    exec(f'''
+class Part{k}(msgspec.Struct, kw_only=True):
+    role: Literal["user", "system"]
+    content: Union[str, list[dict], None] = None
+class Body{k}(msgspec.Struct, kw_only=True):
+    messages: list[Part{k}]
+    temperature: Optional[float] = None
+    stop: Union[str, list[str], None] = None
+''', ns)
+    body_type = ns[f"Body{k}"]
+    data = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.5}
+    barrier = threading.Barrier(4)
+    def work():
+        barrier.wait()
+        for _ in range(3):
+            convert(data, body_type)
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+print("ok")
+"""
+
+
+def test_first_conversions_from_several_threads_do_not_crash():
+    """Request preparation runs on a thread pool. msgspec builds a type's conversion info on its
+    first use, and threads doing that at once crashed the process (segmentation fault, every
+    stream lost) until conversions were serialized; fresh types make every round a first use."""
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", CONCURRENT_FIRST_USE], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", (run.returncode, run.stderr[-500:])
