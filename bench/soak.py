@@ -274,11 +274,15 @@ async def probe_drain(client: httpx.AsyncClient, model: str | None, t0: float,
 
 
 def kv_bytes(base_url: str) -> float | None:
-    """The KV bytes the rolling batch holds now (seqgate_kv_cache_bytes), None if not exposed."""
+    """The KV bytes the engine holds now: the rolling batch's (seqgate_kv_cache_bytes) and the
+    prefix cache's (seqgate_prompt_cache_bytes, bounded by --prompt-cache-bytes and filling up
+    under load by design); None if not exposed."""
     try:
-        return scrape(base_url).get("seqgate_kv_cache_bytes")
+        scraped = scrape(base_url)
     except httpx.HTTPError:
         return None
+    batch = scraped.get("seqgate_kv_cache_bytes")
+    return None if batch is None else batch + scraped.get("seqgate_prompt_cache_bytes", 0.0)
 
 
 async def sample_rss(server: ServerProcess, stop: asyncio.Event, t0: float,

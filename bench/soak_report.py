@@ -335,9 +335,9 @@ def render(data: dict) -> str:
                   [f"median of the first / last {rss.get('window_seconds', 0):.0f} s of load",
                    f"{_mib(rss.get('warm_median'))} / {_mib(rss.get('end_median'))}"],
                   ["growth after warm-up, medians (the target)", _pct(rss.get("median_growth"))],
-                  ["live KV of the rolling batch at warm-up / at the end",
+                  ["KV held by the engine (rolling batch + prefix cache) at warm-up / at the end",
                    f"{_mib(rss.get('kv_warm'))} / {_mib(rss.get('kv_end'))}"],
-                  ["growth after warm-up, net of the live KV", _pct(rss.get("growth_net_of_kv"))],
+                  ["growth after warm-up, net of that KV", _pct(rss.get("growth_net_of_kv"))],
                   ]), "",
               *_series_lines(rss.get("series")),
               *_held_lines(data.get("metrics") or {})]
