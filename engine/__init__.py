@@ -3,7 +3,7 @@
 from engine.config import ConfigError, EngineConfig
 from engine.engine import ContextLengthExceeded, Engine, EngineStats, EngineStopped, JobHandle
 from engine.loader import LoadedModel, ModelLoadError, load_model
-from engine.outputs import FINISH_REASONS, JobDelta, StepStats, TokenLogprob
+from engine.outputs import JobDelta, StepStats, TokenLogprob
 from engine.queue import QueueFull
 from engine.sampling_params import InvalidParams, SamplingParams
 
@@ -14,7 +14,6 @@ __all__ = [
     "EngineConfig",
     "EngineStats",
     "EngineStopped",
-    "FINISH_REASONS",
     "InvalidParams",
     "JobDelta",
     "JobHandle",

@@ -82,11 +82,6 @@ class SlabLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
-    def truncate(self, length: int) -> None:
-        """Forget columns past `length` (used to drop look-ahead tokens)."""
-        self.length = length
-        self._views()
-
 
 class SlabCache(Cache):
     """A transformers Cache over SlabLayers, one per model layer."""
@@ -132,14 +127,21 @@ class SubBatch:
     def kv_bytes(self) -> int:
         return sum(layer.kbuf.nbytes + layer.vbuf.nbytes for layer in self.cache.layers)
 
+    def decode_mask(self) -> torch.Tensor:
+        """[rows, width + 1] bool: the columns each row attends to when its pending token is fed
+        (its real tokens are the rightmost ones, then the new column)."""
+        device = self.cache.layers[0].device
+        lengths = torch.tensor(self.lengths(), device=device)
+        cols = torch.arange(self.width + 1, device=device)
+        return cols[None, :] >= (self.width - lengths)[:, None]
+
     def decode_inputs(self) -> dict[str, torch.Tensor]:
         """input_ids, attention_mask and position_ids for feeding each row's pending token."""
         device = self.cache.layers[0].device
-        lengths = torch.tensor(self.lengths(), device=device)
         ids = torch.tensor([[s.pending_token] for s in self.seqs], device=device)
-        cols = torch.arange(self.width + 1, device=device)
-        mask = (cols[None, :] >= (self.width - lengths)[:, None]).long()
-        return {"input_ids": ids, "attention_mask": mask, "position_ids": lengths[:, None]}
+        positions = torch.tensor(self.lengths(), device=device)[:, None]
+        return {"input_ids": ids, "attention_mask": self.decode_mask().long(),
+                "position_ids": positions}
 
     def advance(self) -> None:
         """After a decode forward: every row gained one column."""

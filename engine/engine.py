@@ -289,15 +289,14 @@ class Engine:
         new_rows = self._prefill(plan, touched)
         t1 = time.perf_counter()
         self.scheduler.drop_finished()
-        part = None
         if plan.membership_changed or new_rows:
-            part, groups = self.scheduler.partition()
+            _, groups = self.scheduler.partition()
             self.batch.regroup(groups, new_rows)
         self._decode_all(touched)
         self._cache_finished()
         t2 = time.perf_counter()
         self._publish(touched)
-        return self._record(plan, part, t1 - t0, t2 - t1)
+        return self._record(plan, t1 - t0, t2 - t1)
 
     def _prefill(self, plan: StepPlan, touched: dict[str, Job]) -> dict[Sequence, RowKV]:
         new_rows: dict[Sequence, RowKV] = {}
@@ -321,7 +320,6 @@ class Engine:
                         s.generator = torch.Generator(device=self.loaded.device)
                         s.generator.manual_seed(job.params.seed + s.index)
                 self.decoder.choose(job.seqs, first, [result.cache] * len(job.seqs))
-                job.first_token_at = time.perf_counter()
                 # The first token goes out now, not after the other prefills and the decode.
                 self._publish({job.job_id: job})
                 row = row_from_cache(result.cache)
@@ -432,7 +430,7 @@ class Engine:
                 job.closed = True
                 job.emit(_END)
 
-    def _record(self, plan: StepPlan, part, prefill_s: float, decode_s: float) -> StepStats:
+    def _record(self, plan: StepPlan, prefill_s: float, decode_s: float) -> StepStats:
         sbs = self.batch.sub_batches
         real = sum(sum(sb.lengths()) for sb in sbs)
         padded = self.batch.padded_tokens()

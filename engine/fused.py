@@ -64,11 +64,7 @@ class FusedCache(Cache):
     """The cache handed to the fused forward: one FusedLayer per model layer."""
 
     def __init__(self, sub_batches: list[SubBatch]):
-        masks = []
-        for sb in sub_batches:
-            lengths = torch.tensor(sb.lengths(), device=sb.cache.layers[0].device) + 1
-            cols = torch.arange(sb.width + 1, device=lengths.device)
-            masks.append((cols[None, :] >= (sb.width + 1 - lengths)[:, None])[:, None, None, :])
+        masks = [sb.decode_mask()[:, None, None, :] for sb in sub_batches]
         n_layers = len(sub_batches[0].cache.layers)
         layers = [FusedLayer(sub_batches, i, masks) for i in range(n_layers)]
         super().__init__(layers=layers)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,7 +17,7 @@ from engine.stops import StopMatcher
 class SeqStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
-    # Finished states; FINISH_REASONS in outputs.py maps their names to OpenAI's finish reasons.
+    # Finished states; `finish_reason` below maps them to OpenAI's finish reasons, in one table.
     EOS = 10
     STOP_TOKEN = 11
     STOP_STRING = 12
@@ -101,8 +100,6 @@ class Job:
     emit: Callable[[JobDelta | None], None] = lambda d: None  # None = end of stream
     seqs: list[Sequence] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    submitted_at: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
     closed: bool = False
 
     @property

@@ -4,16 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Finished job states → OpenAI finish reasons, in one table.
-FINISH_REASONS = {
-    "eos": "stop",
-    "stop_token": "stop",
-    "stop_string": "stop",
-    "length": "length",
-    "abort": "abort",
-    "error": "error",
-}
-
 
 @dataclass
 class TokenLogprob:
