@@ -16,7 +16,7 @@ from adapters.errors import ApiError
 from adapters.limits import MAX_PROMPTS
 from adapters.openai_params import JobSpec, check_token_limit, stop_list
 from adapters.openai_types import convert, decode_request
-from adapters.prompt_size import check_prompt_size, encode_bounded
+from adapters.prompt_size import encode_bounded
 from adapters.token_text import TokenText
 from engine import ContextLengthExceeded, InvalidParams, JobDelta, SamplingParams
 from engine.config import STRATEGIES
@@ -137,8 +137,6 @@ def build_djl_jobs(req: DjlRequest, opts: DjlOptions, tokenizer, max_model_len: 
     check_token_limit(opts.max_new_tokens, max_tokens_limit, "parameters.max_new_tokens")
     if not inputs or len(inputs) > MAX_PROMPTS:
         raise ApiError.bad_request(f"inputs must hold 1 to {MAX_PROMPTS} strings", param="inputs")
-    for text in ([req.cached_prompt] if req.cached_prompt else []) + inputs:
-        check_prompt_size(text, tokenizer, max_model_len, "inputs")
     head = encode_bounded(tokenizer, req.cached_prompt, max_model_len, "inputs") \
         if req.cached_prompt else []
     jobs = []

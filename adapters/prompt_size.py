@@ -69,10 +69,11 @@ def encode_bounded(tokenizer, text: str, max_model_len: int, param: str,
     probe = max_model_len * PROBE_CHARS_PER_TOKEN
     if len(text) > 2 * probe:
         cut = text.rfind(" ", probe // 2, probe)
-        head = tokenizer.encode(text[: cut if cut > 0 else probe], add_special_tokens=False)
+        end = cut if cut > 0 else probe
+        head = tokenizer.encode(text[:end], add_special_tokens=False)
         if len(head) > max_model_len + PROBE_SLACK:
             raise _too_long(max_model_len, f"more than {len(head)} tokens (counted in its first "
-                            f"{cut if cut > 0 else probe} characters of {len(text)})", param)
+                            f"{end} characters of {len(text)})", param)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 

@@ -63,21 +63,14 @@ class SlabLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         n = key_states.shape[-2]
-        if self.length + n > self.capacity:  # SubBatch.reserve grows all layers at once first
-            self._grow(self.length + n + GROWTH_COLUMNS)
+        if self.length + n > self.capacity:
+            raise RuntimeError(f"slab full ({self.length} + {n} > {self.capacity} columns): "
+                               "SubBatch.reserve must run before the forward")
         self.kbuf[:, :, self.length : self.length + n] = key_states
         self.vbuf[:, :, self.length : self.length + n] = value_states
         self.length += n
         self._views()
         return self.keys, self.values
-
-    def _grow(self, capacity: int) -> None:
-        b, h, _, d = self.kbuf.shape
-        for name in ("kbuf", "vbuf"):
-            old = getattr(self, name)
-            new = old.new_empty((b, h, capacity, d))
-            new[:, :, : self.length] = old[:, :, : self.length]
-            setattr(self, name, new)
 
     def get_seq_length(self) -> int:
         return self.length
@@ -127,21 +120,22 @@ class SubBatch:
     def kv_bytes(self) -> int:
         return sum(layer.kbuf.nbytes + layer.vbuf.nbytes for layer in self.cache.layers)
 
-    def decode_mask(self) -> torch.Tensor:
+    def _lengths(self) -> torch.Tensor:
+        return torch.tensor(self.lengths(), device=self.cache.layers[0].device)
+
+    def decode_mask(self, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """[rows, width + 1] bool: the columns each row attends to when its pending token is fed
         (its real tokens are the rightmost ones, then the new column)."""
-        device = self.cache.layers[0].device
-        lengths = torch.tensor(self.lengths(), device=device)
-        cols = torch.arange(self.width + 1, device=device)
+        lengths = self._lengths() if lengths is None else lengths
+        cols = torch.arange(self.width + 1, device=lengths.device)
         return cols[None, :] >= (self.width - lengths)[:, None]
 
     def decode_inputs(self) -> dict[str, torch.Tensor]:
         """input_ids, attention_mask and position_ids for feeding each row's pending token."""
-        device = self.cache.layers[0].device
-        ids = torch.tensor([[s.pending_token] for s in self.seqs], device=device)
-        positions = torch.tensor(self.lengths(), device=device)[:, None]
-        return {"input_ids": ids, "attention_mask": self.decode_mask().long(),
-                "position_ids": positions}
+        lengths = self._lengths()
+        ids = torch.tensor([[s.pending_token] for s in self.seqs], device=lengths.device)
+        return {"input_ids": ids, "attention_mask": self.decode_mask(lengths).long(),
+                "position_ids": lengths[:, None]}
 
     def advance(self) -> None:
         """After a decode forward: every row gained one column."""

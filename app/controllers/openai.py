@@ -97,15 +97,16 @@ class CompletionsController(Controller):
                                      stream=CompletionResponse))
     async def create(self, request: Request, gw: Gateway) -> Response:
         def prepare(engine: Engine, body: bytes
-                    ) -> tuple[tuple[CompletionRequest, list[Prompt]], list[JobSpec]]:
+                    ) -> tuple[tuple[CompletionRequest, list[Prompt], int], list[JobSpec]]:
             req = decode(request, body, CompletionRequest, gw.model_name)
             specs, prompts = build_completion_jobs(req, engine.tokenizer, engine.max_model_len,
                                                    gw.settings.server.max_tokens_limit)
-            return (req, prompts), specs
+            return (req, prompts, specs[0].params.n), specs
 
-        (req, prompts), stream = await open_request(gw, request, self.path, "prompt", prepare)
+        (req, prompts, n), stream = await open_request(gw, request, self.path, "prompt",
+                                                       prepare)
         meta = ResponseMeta.new("cmpl", gw.model_name, gw.system_fingerprint)
-        n, echo, logprobs = 1 if req.n is None else req.n, bool(req.echo), req.logprobs is not None
+        echo, logprobs = bool(req.echo), req.logprobs is not None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             chunker = CompletionChunker(meta, prompts, n, echo, gw.token_text, logprobs,
