@@ -111,7 +111,7 @@ class GatewayMetrics:
         if stats.sub_batches:
             self.sub_batches.observe(stats.sub_batches)
             self.sparsity.observe(stats.sparsity)
-        self.step_seconds.observe(stats.prefill_seconds + stats.decode_seconds)
+        self.step_seconds.observe(stats.seconds)
 
     def count_outcome(self, route: str, outcome: str) -> None:
         self.outcomes.labels(route, outcome).inc()

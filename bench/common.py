@@ -135,15 +135,9 @@ class StepRecorder:
         return [s for s in self.steps if s.sub_batches > 0]
 
     def pure_decode_steps(self) -> list[StepStats]:
-        """Decode steps with no admission and no regroup: nobody joined this step and nobody
-        finished in the step before (finished rows are evicted, and the batch regrouped, at the
-        start of the next step)."""
-        out, prev_finished = [], 0
-        for s in self.steps:
-            if s.sub_batches and not s.admitted and not prev_finished:
-                out.append(s)
-            prev_finished = s.finished
-        return out
+        """Decode steps with no prompt chunk and no regroup (nobody joined or left)."""
+        return [s for s in self.steps
+                if s.sub_batches and not s.prefill_chunks and not s.regrouped]
 
     def summary(self) -> dict:
         steps = self.batch_steps()
@@ -151,7 +145,7 @@ class StepRecorder:
             return {"steps": len(self.steps)}
         pure = self.pure_decode_steps()
         pure_ids = {s.step for s in pure}
-        # Decode steps that admitted or regrouped (decode_seconds includes the regroup's KV copy).
+        # Decode steps that also ran prompt chunks or regrouped (the regroup copies KV).
         regroup = [s for s in steps if s.step not in pure_ids]
         return {
             "steps": len(self.steps),
@@ -164,11 +158,12 @@ class StepRecorder:
             "mean_padded_tokens": statistics.fmean(s.padded_tokens for s in steps),
             "peak_kv_bytes": max(s.kv_bytes for s in self.steps),
             "mean_running": statistics.fmean(s.running for s in steps),
-            "prefill_seconds": sum(s.prefill_seconds for s in self.steps),
-            "decode_seconds": sum(s.decode_seconds for s in self.steps),
-            "decode_step_seconds": describe([s.decode_seconds for s in steps]),
-            "pure_decode_step_seconds": describe([s.decode_seconds for s in pure]),
-            "regroup_decode_step_seconds": describe([s.decode_seconds for s in regroup]),
+            "step_seconds": sum(s.seconds for s in self.steps),
+            "prefill_tokens": sum(s.prefill_tokens for s in self.steps),
+            "prefill_step_seconds": sum(s.seconds for s in self.steps if s.prefill_chunks),
+            "decode_step_seconds": describe([s.seconds for s in steps]),
+            "pure_decode_step_seconds": describe([s.seconds for s in pure]),
+            "regroup_decode_step_seconds": describe([s.seconds for s in regroup]),
         }
 
 

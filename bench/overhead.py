@@ -5,11 +5,10 @@
 
 The engine runs `--jobs` ShareGPT prompts of similar length (within ±10% of --prompt-tokens),
 greedy, exactly --new-tokens each, driven step by step from this thread (`start(background=False)`,
-`step()`). All jobs are admitted in step 1; steps 2 … new_tokens-1 are pure decode (no admission,
-no regroup) and are the ones measured. Per step:
+`step()`). Every prompt is prefilled in step 1, the rows join the batch in step 2; steps
+3 … new_tokens are pure decode (no prompt chunk, no regroup) and are the ones measured. Per step:
   - engine step wall: `engine.step()` end to end (schedule, decode, token choice, detokenization,
     stop checks, publish, stats listeners);
-  - engine decode_seconds (StepStats): the sub-batches' decode plus token choice;
   - engine runner.decode: building ids / mask / positions plus the forward;
   - engine model forward: the model call alone (the engine's slab KV cache, written in place).
 Bare baselines: the same prompts left-padded into one batch and prefilled in one call, then
@@ -24,7 +23,6 @@ Writes bench/results/overhead.json.
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -47,7 +45,7 @@ from bench.sharegpt import load_requests
 from engine.batch import GROWTH_COLUMNS, SlabCache, SlabLayer
 
 TARGET = 0.15
-FIRST_PURE_STEP = 2
+FIRST_PURE_STEP = 3
 
 
 class _Clock:
@@ -132,21 +130,22 @@ def run_lockstep(loaded, threads: int, prompts: list[list[int]], new_tokens: int
     """Drive the engine by hand with both bare loops in lock step; one row per pure decode step."""
     bare = {"bare_dynamic": BareDecode(loaded, prompts, slab=False),
             "bare_slab": BareDecode(loaded, prompts, slab=True)}
-    # Admit every job in step 1 (the per-step admission budget is 4 × prefill_chunk_tokens), so
-    # all rows share one history and the batch has the bare loops' shape.
-    chunk = max(512, math.ceil(sum(map(len, prompts)) / 4))
-    eng, _ = make_engine(loaded, threads, background=False,
-                         max_rolling_batch_size=max(32, len(prompts)), prefill_chunk_tokens=chunk)
+    # Prefill every prompt in step 1 (a step's token budget holds them all), so all rows share
+    # one history and the batch has the bare loops' shape.
+    batch = max(32, len(prompts))
+    eng, _ = make_engine(loaded, threads, background=False, max_rolling_batch_size=batch,
+                         max_num_batched_tokens=max(512, sum(map(len, prompts)), batch + 1))
     model_clock = _TimedModel(eng.runner.model, loaded.device)
     eng.runner.model = model_clock
     decode_clock = _Clock(eng.runner.decode, loaded.device)
     eng.runner.decode = decode_clock
     handles = [eng.submit(p, fixed_length(new_tokens)) for p in prompts]
-    rows, prev_finished = [], 0
+    rows = []
     while eng.scheduler.has_work:
         k = eng.scheduler.step + 1
         row = {"step": k}
-        if k % 2 and k < new_tokens:  # bare first on odd steps
+        paired = 2 <= k <= new_tokens  # engine steps that decode, as the bare loops do
+        if paired and k % 2:  # bare first on odd steps
             row.update({name: b.step() for name, b in bare.items()})
         f0, d0 = model_clock.clock.total, decode_clock.total
         sync(loaded.device)
@@ -154,19 +153,18 @@ def run_lockstep(loaded, threads: int, prompts: list[list[int]], new_tokens: int
         st = eng.step()
         sync(loaded.device)
         row["wall"] = time.perf_counter() - t
-        if not k % 2 and k < new_tokens:
+        if paired and not k % 2:
             row.update({name: b.step() for name, b in reversed(bare.items())})
-        if st.sub_batches and not st.admitted and not prev_finished:
+        if st.sub_batches and not st.regrouped and not st.prefill_chunks:
             row.update(sub_batches=st.sub_batches,
                        width=max(sb.width for sb in eng.batch.sub_batches) - 1,
                        forward=model_clock.clock.total - f0,
-                       runner_decode=decode_clock.total - d0, decode=st.decode_seconds)
+                       runner_decode=decode_clock.total - d0)
             rows.append(row)
-        prev_finished = st.finished
     eng.stop(drain=False)
     for h in handles:  # every job ran its whole budget
         assert sum(len(d.token_ids) for d in h.iter_sync(timeout=0)) == new_tokens
-    assert [r["step"] for r in rows] == list(range(FIRST_PURE_STEP, new_tokens)), \
+    assert [r["step"] for r in rows] == list(range(FIRST_PURE_STEP, new_tokens + 1)), \
         f"unexpected pure decode steps {[r['step'] for r in rows]}"
     return rows
 
@@ -194,7 +192,7 @@ def main() -> None:
     steps = []
     for r in range(args.repeats):
         steps += run_lockstep(loaded, args.threads, prompts, args.new_tokens)
-        print(f"run {r + 1}: {args.new_tokens - FIRST_PURE_STEP} pure decode steps")
+        print(f"run {r + 1}: {args.new_tokens - FIRST_PURE_STEP + 1} pure decode steps")
     subs = {s["sub_batches"] for s in steps}
     if subs != {1}:
         print(f"note: the engine ran {sorted(subs)} sub-batches per step; the bare forward is one "
@@ -205,7 +203,6 @@ def main() -> None:
         "bare_slab": "bare forward, slab cache",
         "forward": "engine: model forward",
         "runner_decode": "engine: runner.decode",
-        "decode": "engine: decode_seconds",
         "wall": "engine: step wall",
     }
 

@@ -110,13 +110,13 @@ def main() -> None:
                      st["mean_sparsity"], st["mean_sub_batches"],
                      st["decode_step_seconds"]["mean"] * 1e3,
                      (st["pure_decode_step_seconds"]["median"] or 0.0) * 1e3,
-                     st["prefill_seconds"], r["seconds"], r["tokens_per_s"],
+                     st["prefill_step_seconds"], r["seconds"], r["tokens_per_s"],
                      "yes" if r["same_outputs_as_first"] else "NO"))
     print()
     print(markdown_table(["config", "peak KV MiB", "mean padded tokens", "mean sparsity",
                           "sub-batches/step", "decode step ms (mean)",
-                          "pure decode ms (median)", "prefill s", "total s", "tokens/s",
-                          "same output"], rows))
+                          "pure decode ms (median)", "steps with prompt chunks s", "total s",
+                          "tokens/s", "same output"], rows))
     print(f"\nReal tokens' KV at the last step: {mib(final_real * per_token):.1f} MiB "
           f"({per_token:,} bytes/token); peak KV includes padding and each sub-batch's "
           f"preallocated growth columns. Decode-step means include steps that admit or regroup.")

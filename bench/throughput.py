@@ -105,9 +105,10 @@ def main() -> None:
           f"max_rolling_batch_size={args.max_batch}, mean running {st['mean_running']:.1f}, "
           f"mean sub-batches/step {st['mean_sub_batches']:.2f} (max {st['max_sub_batches']}), "
           f"mean sparsity {st['mean_sparsity']:.3f}, peak KV {mib(st['peak_kv_bytes']):.1f} MiB, "
-          f"prefill {st['prefill_seconds']:.1f}s + decode {st['decode_seconds']:.1f}s; "
+          f"steps {st['step_seconds']:.1f}s ({st['prefill_step_seconds']:.1f}s in steps with "
+          f"prompt chunks); "
           f"decode step ms: pure {1e3 * (st['pure_decode_step_seconds']['mean'] or 0):.0f} mean "
-          f"over {st['pure_decode_steps']} steps, admitting/regrouping "
+          f"over {st['pure_decode_steps']} steps, with chunks or a regroup "
           f"{1e3 * (st['regroup_decode_step_seconds']['mean'] or 0):.0f} mean over "
           f"{st['regroup_decode_steps']} steps")
 

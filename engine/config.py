@@ -61,8 +61,9 @@ class EngineConfig:
     prompt_cache_bytes: int = 512 * 1024 * 1024
     # Smallest prefix (tokens) worth caching.
     prompt_cache_min_tokens: int = 16
-    # Longest prompt prefilled in one forward call; longer prompts are prefilled in chunks.
-    prefill_chunk_tokens: int = 512
+    # Tokens one step computes: every running row's decode token, then prompt chunks in what is
+    # left (stall-free chunked prefill). Must exceed max_rolling_batch_size.
+    max_num_batched_tokens: int = 512
     # torch intra-op threads; 0 picks a default from the cores available.
     num_threads: int = 0
     # Context length limit; 0 means the model's max_position_embeddings.
@@ -84,8 +85,10 @@ class EngineConfig:
             raise ConfigError("max_splits", self.max_splits, ">= 1")
         if self.prompt_cache_bytes < 0:
             raise ConfigError("prompt_cache_bytes", self.prompt_cache_bytes, ">= 0")
-        if self.prefill_chunk_tokens < 1:
-            raise ConfigError("prefill_chunk_tokens", self.prefill_chunk_tokens, ">= 1")
+        if self.max_num_batched_tokens <= self.max_rolling_batch_size:
+            raise ConfigError("max_num_batched_tokens", self.max_num_batched_tokens,
+                              f"more than max_rolling_batch_size ({self.max_rolling_batch_size}),"
+                              " so that prompts progress while the batch decodes")
         if self.num_threads < 0:
             raise ConfigError("num_threads", self.num_threads, ">= 0 (0 = auto)")
         if self.max_model_len < 0:

@@ -15,18 +15,16 @@ from dataclasses import dataclass, field
 import torch
 
 from engine import fused
-from engine.batch import RollingBatch, RowKV, row_from_cache
+from engine.batch import RollingBatch, RowKV, SubBatch, row_from_cache
 from engine.config import EngineConfig
 from engine.decoder import TokenDecoder, fail
-from engine.detokenize import IncrementalDetokenizer
 from engine.job import Job, SeqStatus, Sequence
 from engine.loader import LoadedModel, load_model
 from engine.outputs import JobDelta, StepStats
 from engine.radix_cache import PrefixEntry, RadixPrefixCache
-from engine.runner import ModelRunner
+from engine.runner import Chunk, ModelRunner
 from engine.sampling_params import InvalidParams, SamplingParams
-from engine.scheduler import Scheduler, StepPlan
-from engine.stops import StopMatcher
+from engine.scheduler import PrefillChunk, Scheduler, StepPlan
 
 log = logging.getLogger("seqgate.engine")
 
@@ -125,9 +123,9 @@ class Engine:
         self.eos_ids = self._eos_ids()
         self.runner = ModelRunner(self.loaded.model, self.loaded.device)
         self.fused = self.config.fuse_sub_batches and fused.install(self.loaded.model)
-        self.scheduler = Scheduler(self.config)
-        self.batch = RollingBatch()
         self.prefix_cache = RadixPrefixCache(self.config.prompt_cache_bytes)
+        self.scheduler = Scheduler(self.config, self.prefix_cache)
+        self.batch = RollingBatch()
         self.decoder = TokenDecoder(self.runner, self.eos_ids, self.max_model_len)
         self._stats = EngineStats()
         self._listeners: list[Callable[[StepStats], None]] = []
@@ -251,7 +249,7 @@ class Engine:
     def stats(self) -> EngineStats:
         s = self._stats
         s.queued = len(self.scheduler.queue)
-        s.running = len(self.scheduler.running)
+        s.running = self.scheduler.slots_taken()
         s.prefix_cache_bytes = self.prefix_cache.nbytes
         s.prefix_cache_entries = len(self.prefix_cache)
         s.prefix_cache_evictions = self.prefix_cache.evictions
@@ -282,100 +280,83 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> StepStats:
-        """One iteration: schedule, prefill newcomers, regroup, decode every sub-batch, publish."""
+        """One iteration: schedule, execute, postprocess, publish.
+
+        The scheduler's plan says who decodes (in which sub-batches) and which prompt chunks are
+        computed; the batch is laid out as planned; one forward (or one per group, for models
+        without the packed path) runs it; then tokens are chosen, stops applied, finished
+        prompts start decoding and the prefix cache takes what ended.
+        """
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         touched: dict[str, Job] = {job.job_id: job for job in plan.aborted}
-        t0 = time.perf_counter()
-        new_rows = self._prefill(plan, touched)
-        t1 = time.perf_counter()
-        self.scheduler.drop_finished()
-        if plan.membership_changed or new_rows:
-            _, groups = self.scheduler.partition()
-            self.batch.regroup(groups, new_rows)
-        self._decode_all(touched)
-        self._cache_finished()
-        t2 = time.perf_counter()
+        self._lay_out(plan)
+        chunks = [self._chunk_input(c) for c in plan.chunks]
+        results = self._execute(self.batch.sub_batches, chunks)
+        self._postprocess(plan, results, touched)
         self._publish(touched)
-        return self._record(plan, t1 - t0, t2 - t1)
+        return self._record(plan, time.perf_counter() - t0)
 
-    def _prefill(self, plan: StepPlan, touched: dict[str, Job]) -> dict[Sequence, RowKV]:
+    def _lay_out(self, plan: StepPlan) -> None:
+        """Drop aborted prompts' KV and regroup the batch to the plan's partition; jobs that
+        joined bring their prompt's KV as new rows."""
+        for job in plan.aborted:
+            job.kv, job.prefix, job.hidden = None, None, []
+        if plan.groups is None:
+            return
         new_rows: dict[Sequence, RowKV] = {}
-        for job in plan.admitted:
-            touched[job.job_id] = job
-            if not self._running:  # stopping: no more prefills, so the step ends soon
-                for s in job.seqs:
-                    s.status = SeqStatus.ABORT
-                continue
-            try:
-                result = self._prefill_job(job)
-                first = result.logits[None].expand(len(job.seqs), -1)
-                for s in job.seqs:
-                    s.kv_len = result.length
-                    s.hidden = result.hidden
-                    s.detok = IncrementalDetokenizer(
-                        self.tokenizer, job.prompt_ids, job.params.skip_special_tokens
-                    )
-                    s.stops = StopMatcher(job.params.stop)
-                    if job.params.seed is not None:
-                        s.generator = torch.Generator(device=self.loaded.device)
-                        s.generator.manual_seed(job.params.seed + s.index)
-                self.decoder.choose(job.seqs, first, [result.cache] * len(job.seqs))
-                # The first token goes out now, not after the other prefills and the decode.
-                self._publish({job.job_id: job})
-                row = row_from_cache(result.cache)
-                for s in job.seqs:
-                    if not s.status.finished:
-                        new_rows[s] = row
-            except Exception as exc:
-                log.exception("prefill failed for %s", job.job_id)
-                for s in job.seqs:
-                    fail(s, f"prefill failed: {exc}")
-        return new_rows
+        for job in plan.joined:
+            row = row_from_cache(job.kv)
+            new_rows.update((s, row) for s in job.seqs)
+            job.kv, job.hidden = None, []
+        self.batch.regroup(plan.groups, new_rows)
 
-    def _prefill_job(self, job: Job):
-        """Prefill a job's prompt from the longest cached prefix of it, then cache the prompt:
-        the next turn of a conversation, or any prompt sharing its head, starts from it."""
-        ids, chunk = job.prompt_ids, self.config.prefill_chunk_tokens
+    def _chunk_input(self, chunk: PrefillChunk) -> Chunk:
+        job = chunk.job
         want_hidden = job.strategy == "contrastive"
-        self._stats.prompt_tokens += len(ids)
-        if not self.config.prompt_cache_bytes:
-            return self.runner.prefill(ids, None, chunk, want_hidden)
-        # A prefix covering the whole prompt still leaves one token to compute for the logits.
-        entry = self.prefix_cache.match(ids, len(ids) - 1, need_hidden=want_hidden,
-                                        min_tokens=self.config.prompt_cache_min_tokens)
-        result = self.runner.prefill(ids, entry, chunk, want_hidden)
-        if entry is None:
-            self._stats.cache_misses += 1
-        else:
-            job.cached_tokens = entry.length
-            self._stats.cache_hits += 1
-            self._stats.cached_tokens += entry.length
-        row = row_from_cache(result.cache)
-        self.prefix_cache.insert(ids, PrefixEntry(row.keys, row.values, result.hidden,
-                                                  row.length))
-        return result
+        if job.kv is None:  # the first chunk: start from the cached prefix, if any
+            job.kv = self.runner.prompt_cache(job.prefix)
+            if want_hidden and job.prefix is not None:
+                job.hidden = [job.prefix.hidden]
+            job.prefix = None
+        return Chunk(job.kv, job.prompt_ids[chunk.start : chunk.stop], chunk.start, chunk.last,
+                     want_hidden)
 
-    def _decode_all(self, touched: dict[str, Job]) -> None:
-        """One decode step for every sub-batch: fused into one forward, or one forward each."""
-        sbs = list(self.batch.sub_batches)
+    def _execute(self, sbs: list[SubBatch], chunks: list[Chunk]) -> list:
+        """The step's forward: one packed forward for every group where the model allows (a
+        failure there fails every group: caches may be half-written), else one per group (a
+        failure fails that group alone). One result, or exception, per sub-batch then chunk."""
         hidden = [any(s.job.strategy == "contrastive" for s in sb.seqs) for sb in sbs]
-        if self.fused and len(sbs) > 1:
+        if self.fused and len(sbs) + len(chunks) > 1:
             try:
-                results = self.runner.decode_fused(sbs, any(hidden))
-            except Exception as exc:  # slabs may be half-written: every row fails
-                log.exception("fused decode forward failed")
-                results = [exc] * len(sbs)
-        else:
-            results = []
-            for sb, want in zip(sbs, hidden):
-                try:
-                    results.append(self.runner.decode(sb, want))
-                except Exception as exc:
-                    log.exception("decode forward failed for a sub-batch of %d", sb.size)
-                    results.append(exc)
+                return self.runner.packed(sbs, chunks, hidden)
+            except Exception as exc:
+                log.exception("step forward failed")
+                return [exc] * (len(sbs) + len(chunks))
+        results: list = []
+        for work in [*zip(sbs, hidden), *chunks]:
+            try:
+                if isinstance(work, Chunk):
+                    results.append(self.runner.prefill_chunk(work))
+                else:
+                    results.append(self.runner.decode(*work))
+            except Exception as exc:
+                log.exception("forward failed")
+                results.append(exc)
+        return results
+
+    def _postprocess(self, plan: StepPlan, results: list, touched: dict[str, Job]) -> None:
+        """Choose each decoding row's next token; advance prompts; start the finished ones."""
+        sbs = self.batch.sub_batches
+        for job in plan.admitted:
+            self._stats.prompt_tokens += len(job.prompt_ids)
+            if job.cached_tokens:
+                self._stats.cache_hits += 1
+                self._stats.cached_tokens += job.cached_tokens
+            elif self.config.prompt_cache_bytes:
+                self._stats.cache_misses += 1
         for sb, result in zip(sbs, results):
-            for s in sb.seqs:
-                touched[s.job.job_id] = s.job
+            touched.update((s.job.job_id, s.job) for s in sb.seqs)
             if isinstance(result, Exception):
                 for s in sb.seqs:
                     fail(s, f"forward failed: {result}")
@@ -386,6 +367,36 @@ class Engine:
                 if states is not None and s.hidden is not None:
                     s.hidden = torch.cat([s.hidden, states[i : i + 1]])
             self.decoder.choose(sb.seqs, logits, [sb] * sb.size)
+        for chunk, result in zip(plan.chunks, results[len(sbs):]):
+            job = chunk.job
+            touched[job.job_id] = job
+            if isinstance(result, Exception):
+                for s in job.seqs:
+                    fail(s, f"prefill failed: {result}")
+                job.kv, job.hidden = None, []
+                continue
+            logits, states = result
+            job.computed = chunk.stop
+            if states is not None:
+                job.hidden.append(states)
+            if chunk.last:
+                self._start_decoding(job, logits)
+        self._cache_finished()
+
+    def _start_decoding(self, job: Job, logits: torch.Tensor) -> None:
+        """The prompt is done: cache it, set up its sequences, choose their first tokens. They
+        join the decode set at the next step."""
+        hidden = torch.cat(job.hidden) if job.hidden else None
+        if self.config.prompt_cache_bytes:
+            row = row_from_cache(job.kv)
+            self.prefix_cache.insert(job.prompt_ids,
+                                     PrefixEntry(row.keys, row.values, hidden, row.length))
+        for s in job.seqs:
+            s.start(self.tokenizer, self.loaded.device, hidden)
+        n = len(job.seqs)
+        self.decoder.choose(job.seqs, logits[None].expand(n, -1), [job.kv] * n)
+        if job.done:  # every sequence ended on its first token: it never joins
+            job.kv, job.hidden = None, []
 
     def _cache_finished(self) -> None:
         """Insert every sequence that ended this step normally, its prompt and its answer, into
@@ -406,10 +417,13 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         touched = {}
-        for s in self.scheduler.running:
+        prefilling = [s for job in self.scheduler.prefilling for s in job.seqs]
+        for s in self.scheduler.running + prefilling:
             fail(s, message)
             touched[s.job.job_id] = s.job
-        self.scheduler.running = []
+        for job in self.scheduler.prefilling:
+            job.kv, job.hidden = None, []
+        self.scheduler.running, self.scheduler.prefilling = [], []
         self.batch.sub_batches = []
         self._publish(touched)
 
@@ -430,13 +444,13 @@ class Engine:
                 job.closed = True
                 job.emit(_END)
 
-    def _record(self, plan: StepPlan, prefill_s: float, decode_s: float) -> StepStats:
+    def _record(self, plan: StepPlan, seconds: float) -> StepStats:
         sbs = self.batch.sub_batches
         real = sum(sum(sb.lengths()) for sb in sbs)
         padded = self.batch.padded_tokens()
         stats = StepStats(
             step=plan.step,
-            running=len(self.scheduler.running),
+            running=self.scheduler.slots_taken(),
             queued=len(self.scheduler.queue),
             admitted=len(plan.admitted),
             finished=sum(1 for sb in sbs for s in sb.seqs if s.status.finished),
@@ -445,10 +459,12 @@ class Engine:
             sparsity=padded / real if real else 0.0,
             padded_tokens=padded,
             kv_bytes=self.batch.kv_bytes(),
+            regrouped=plan.groups is not None,
+            decode_rows=plan.decode_rows,
             prefill_tokens=plan.prefill_tokens,
+            prefill_chunks=len(plan.chunks),
             cached_prompt_tokens=sum(j.cached_tokens for j in plan.admitted),
-            decode_seconds=decode_s,
-            prefill_seconds=prefill_s,
+            seconds=seconds,
             abort_free_steps=plan.abort_delays,
         )
         self._stats.steps = plan.step

@@ -1,14 +1,16 @@
-"""One forward call for every sub-batch: batched linear layers, attention per sub-batch.
+"""One forward call for the whole step: every sub-batch's decode tokens and every prefill chunk.
 
-Splitting the rolling batch saves the KV padding of mixed lengths, but on a CPU one forward per
-sub-batch re-reads every weight once per sub-batch. Only attention depends on the KV layout, so
-the fused decode runs the model once over all rows and splits the work at attention alone: each
-sub-batch's rows attend over their own slab with their own padding mask.
+Splitting the rolling batch saves the KV padding of mixed lengths, and chunking prompts keeps
+running streams from stalling behind a long prefill; but on a CPU every extra forward re-reads
+every weight. Only attention depends on the KV layout, so the step's tokens are packed into one
+sequence ([1, tokens]) for the linear layers, and the work is split at attention alone: each
+group (a sub-batch's rows, one token each, or a prompt chunk) attends over its own KV with its
+own mask.
 
 It plugs into transformers through its public extension points: an attention function
 registered in `AttentionInterface` (which hands plain tensors to the model's original
 implementation, so every other forward is unchanged) and a `Cache` whose layers return the
-per-sub-batch KV as a `GroupedKV`.
+per-group KV as a `GroupedKV`.
 """
 
 from __future__ import annotations
@@ -21,58 +23,80 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from engine.batch import SubBatch
-
 FUSED_ATTENTION = "seqgate_fused"
 
 
 @dataclass
+class Group:
+    """One group's place in the packed sequence and the cache its KV goes to.
+
+    A decode group is a sub-batch: `tokens` rows, one query each, over its slab. A prefill chunk
+    is one row of `tokens` queries over its prompt's KV so far.
+    """
+
+    cache: Cache
+    start: int  # offset in the packed token dimension
+    tokens: int
+    rows: int
+    mask: torch.Tensor  # [rows, 1, queries per row, kv columns] bool, True where a query attends
+
+    def split(self, packed: torch.Tensor) -> torch.Tensor:
+        """This group's part of a packed [1, heads, tokens, dim] tensor as [rows, heads, q, dim].
+        """
+        part = packed[:, :, self.start : self.start + self.tokens]
+        return part.transpose(0, 2) if self.rows > 1 else part
+
+    def join(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output [rows, q, heads, dim] back to the packed layout [1, tokens, ...]."""
+        return out.transpose(0, 1) if self.rows > 1 else out
+
+
+@dataclass
 class GroupedKV:
-    """One layer's keys and values, per sub-batch, after this step's token was written."""
+    """One layer's keys and values, per group, after this step's tokens were written."""
 
-    keys: list[torch.Tensor]  # [rows, kv_heads, width + 1, dim] per sub-batch
+    keys: list[torch.Tensor]
     values: list[torch.Tensor]
-    masks: list[torch.Tensor]  # [rows, 1, 1, width + 1] bool, True where a row attends
-    rows: list[int]  # rows per sub-batch, in the order the queries are stacked
+    groups: list[Group]
 
 
-class FusedLayer(DynamicLayer):
-    """Routes one layer's new KV rows to each sub-batch's slab layer."""
+class PackedLayer(DynamicLayer):
+    """Routes one layer's new KV to each group's cache."""
 
-    def __init__(self, sub_batches: list[SubBatch], layer_idx: int, masks: list[torch.Tensor]):
+    def __init__(self, groups: list[Group], layer_idx: int):
         super().__init__()
-        self.slabs = [sb.cache.layers[layer_idx] for sb in sub_batches]
-        self.rows = [sb.size for sb in sub_batches]
-        self.masks = masks
+        self.groups = groups
+        self.layer_idx = layer_idx
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        keys, values, start = [], [], 0
-        for slab, n in zip(self.slabs, self.rows):
-            k, v = slab.update(key_states[start : start + n], value_states[start : start + n])
+        keys, values = [], []
+        for g in self.groups:
+            k, v = g.cache.update(g.split(key_states), g.split(value_states), self.layer_idx)
             keys.append(k)
             values.append(v)
-            start += n
-        grouped = GroupedKV(keys, values, self.masks, self.rows)
+        grouped = GroupedKV(keys, values, self.groups)
         return grouped, grouped
 
     def get_seq_length(self) -> int:
-        return max(slab.length for slab in self.slabs)
+        return 0  # positions come from position_ids; nothing reads a packed cache's length
 
 
-class FusedCache(Cache):
-    """The cache handed to the fused forward: one FusedLayer per model layer."""
+class PackedCache(Cache):
+    """The cache handed to the packed forward: one PackedLayer per model layer."""
 
-    def __init__(self, sub_batches: list[SubBatch]):
-        masks = [sb.decode_mask()[:, None, None, :] for sb in sub_batches]
-        n_layers = len(sub_batches[0].cache.layers)
-        layers = [FusedLayer(sub_batches, i, masks) for i in range(n_layers)]
-        super().__init__(layers=layers)
+    def __init__(self, groups: list[Group], n_layers: int):
+        super().__init__(layers=[PackedLayer(groups, i) for i in range(n_layers)])
+
+
+# Passed as the packed forward's attention mask: a 4D mask is used as given, so transformers
+# builds none (every group brings its own); the attention function below never reads it.
+NO_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)
 
 
 def install(model: torch.nn.Module) -> bool:
-    """Route `model`'s attention through the fused dispatcher. False when the model does not use
-    transformers' attention interface (then the engine runs one forward per sub-batch)."""
+    """Route `model`'s attention through the packed dispatcher. False when the model does not
+    use transformers' attention interface (then the engine runs one forward per group)."""
     if not getattr(model, "_supports_attention_backend", False):
         return False
     original = model.config._attn_implementation
@@ -88,12 +112,11 @@ def install(model: torch.nn.Module) -> bool:
     def attention(module, query, key, value, attention_mask, **kwargs):
         if not isinstance(key, GroupedKV):
             return inner(module, query, key, value, attention_mask, **kwargs)
-        outs, start = [], 0
-        for k, v, mask, n in zip(key.keys, key.values, key.masks, key.rows):
-            out, _ = inner(module, query[start : start + n], k, v, mask, **kwargs)
-            outs.append(out)
-            start += n
-        return torch.cat(outs), None
+        outs = []
+        for g, k, v in zip(key.groups, key.keys, key.values):
+            out, _ = inner(module, g.split(query), k, v, g.mask, **kwargs)
+            outs.append(g.join(out))
+        return torch.cat(outs, dim=1), None
 
     AttentionInterface.register(FUSED_ATTENTION, attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(FUSED_ATTENTION, mask_fn)

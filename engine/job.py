@@ -5,11 +5,13 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from engine.detokenize import IncrementalDetokenizer
 from engine.outputs import JobDelta, TokenLogprob
+from engine.radix_cache import PrefixEntry
 from engine.sampling_params import SamplingParams
 from engine.stops import StopMatcher
 
@@ -71,6 +73,19 @@ class Sequence:
     def params(self) -> SamplingParams:
         return self.job.params
 
+    def start(self, tokenizer, device: torch.device, hidden: torch.Tensor | None) -> None:
+        """Set up decoding once the prompt is prefilled: detokenizer, stop matcher, the seeded
+        generator, and the prompt's hidden states (contrastive search)."""
+        job = self.job
+        self.kv_len = len(job.prompt_ids)
+        self.hidden = hidden
+        self.detok = IncrementalDetokenizer(tokenizer, job.prompt_ids,
+                                            job.params.skip_special_tokens)
+        self.stops = StopMatcher(job.params.stop)
+        if job.params.seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(job.params.seed + self.index)
+
     def take_delta(self) -> JobDelta:
         finish = self.status.finish_reason if self.status.finished else None
         delta = JobDelta(
@@ -101,6 +116,11 @@ class Job:
     seqs: list[Sequence] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     closed: bool = False
+    # Prefill progress: prompt positions whose KV exists (the cached prefix, then each chunk).
+    computed: int = 0
+    prefix: PrefixEntry | None = None  # the cached prefix matched at admission, until used
+    kv: Any = None  # the prompt's KV while it is prefilled: a batch-1 transformers Cache
+    hidden: list[torch.Tensor] = field(default_factory=list)  # contrastive: prompt's hidden
 
     @property
     def done(self) -> bool:

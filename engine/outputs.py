@@ -43,7 +43,7 @@ class StepStats:
     """One engine step, as counted for metrics and tests."""
 
     step: int
-    running: int  # sequences in the rolling batch after the step
+    running: int  # sequences admitted (decoding or being prefilled) after the step
     queued: int
     admitted: int
     finished: int
@@ -52,9 +52,11 @@ class StepStats:
     sparsity: float  # padding / real tokens over the whole batch, after partitioning
     padded_tokens: int
     kv_bytes: int  # bytes held by the rolling batch's KV after the step
-    prefill_tokens: int
-    cached_prompt_tokens: int
-    decode_seconds: float
-    prefill_seconds: float
+    regrouped: bool  # the batch was laid out anew (rows joined or left)
+    decode_rows: int  # rows that decoded a token this step
+    prefill_tokens: int  # prompt tokens computed this step (in `prefill_chunks` chunks)
+    prefill_chunks: int
+    cached_prompt_tokens: int  # prompt tokens of the jobs admitted this step found cached
+    seconds: float  # the whole step: schedule, layout, forward, token choice, publish
     # Per job aborted this step: engine steps started between its abort request and now.
     abort_free_steps: list[int] = field(default_factory=list)

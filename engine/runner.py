@@ -1,5 +1,5 @@
-"""ModelRunner: turns prompts and sub-batches into logits (and hidden states when asked). No
-policy.
+"""ModelRunner: turns a step's sub-batches and prefill chunks into logits (and hidden states when
+asked). No policy.
 """
 
 from __future__ import annotations
@@ -7,80 +7,68 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import Cache, DynamicCache
 
+from engine import fused
 from engine.batch import RowKV, SubBatch
-from engine.fused import FusedCache
 from engine.radix_cache import PrefixEntry
 
 
 @dataclass
-class PrefillResult:
-    """A prompt's KV (a batch-1 DynamicCache), the logits for its first new token, and hidden
-    states.
-    """
+class Chunk:
+    """A prefill chunk to compute: prompt tokens `ids` at positions start.., into `cache`."""
 
-    cache: DynamicCache
-    logits: torch.Tensor  # [vocab]
-    hidden: torch.Tensor | None  # [prompt tokens, hidden] (last layer), when asked
-    length: int
+    cache: Cache  # the prompt's KV so far (batch 1); the chunk's KV is appended to it
+    ids: list[int]
+    start: int
+    logits: bool  # the prompt's last chunk: its last position's logits are wanted
+    hidden: bool  # last-layer hidden states of its positions are wanted (contrastive search)
+
+
+# What a forward gives one group: logits (None for a chunk that does not end its prompt) and
+# last-layer hidden states when asked; or the exception that failed it.
+GroupResult = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 class ModelRunner:
-    """Owns the model's forward calls: chunked prefill, batched decode, contrastive look-ahead."""
+    """Owns the model's forward calls: the step's packed forward, or one per group; the
+    contrastive look-ahead."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device):
         self.model = model
         self.device = device
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.n_layers = model.config.get_text_config().num_hidden_layers
+        self._no_mask = fused.NO_MASK.to(device)
 
     def _forward(self, **kwargs):
         return self.model(use_cache=True, return_dict=True, **kwargs)
 
-    def prefill(
-        self,
-        ids: list[int],
-        prefix: PrefixEntry | None,
-        chunk: int,
-        want_hidden: bool,
-    ) -> PrefillResult:
-        """Run `ids` through the model in chunks of at most `chunk` tokens.
+    @staticmethod
+    def prompt_cache(prefix: PrefixEntry | None) -> DynamicCache:
+        """A batch-1 cache for a prompt's KV, starting from a cached prefix's."""
+        if prefix is None:
+            return DynamicCache()
+        return DynamicCache(
+            ddp_cache_data=[(k[None], v[None]) for k, v in zip(prefix.keys, prefix.values)]
+        )
 
-        With `prefix`, its KV stands for the first `prefix.length` ids and only the rest is
-        computed.
-        """
-        end = len(ids)
-        start = 0
-        hidden_parts: list[torch.Tensor] = []
-        if prefix is not None:
-            cache = DynamicCache(
-                ddp_cache_data=[(k[None], v[None]) for k, v in zip(prefix.keys, prefix.values)]
-            )
-            start = prefix.length
-            if want_hidden and prefix.hidden is not None:
-                hidden_parts.append(prefix.hidden)
-        else:
-            cache = DynamicCache()
-        logits = None
-        while start < end:
-            stop = min(end, start + chunk)
-            out = self._forward(
-                input_ids=torch.tensor([ids[start:stop]], device=self.device),
-                attention_mask=torch.ones((1, stop), dtype=torch.long, device=self.device),
-                position_ids=torch.arange(start, stop, device=self.device)[None],
-                past_key_values=cache,
-                output_hidden_states=want_hidden,
-                logits_to_keep=1,
-            )
-            logits = out.logits[0, -1]
-            if want_hidden:
-                hidden_parts.append(out.hidden_states[-1][0])
-            start = stop
-        assert logits is not None, "prefill needs at least one token to compute"
-        hidden = torch.cat(hidden_parts) if want_hidden else None
-        return PrefillResult(cache, logits.float(), hidden, end)
+    def prefill_chunk(self, chunk: Chunk) -> GroupResult:
+        """Compute one chunk alone (models without the packed path, or a step with nothing
+        else to run)."""
+        start, stop = chunk.start, chunk.start + len(chunk.ids)
+        out = self._forward(
+            input_ids=torch.tensor([chunk.ids], device=self.device),
+            attention_mask=torch.ones((1, stop), dtype=torch.long, device=self.device),
+            position_ids=torch.arange(start, stop, device=self.device)[None],
+            past_key_values=chunk.cache,
+            output_hidden_states=chunk.hidden,
+            logits_to_keep=1,
+        )
+        logits = out.logits[0, -1].float() if chunk.logits else None
+        return logits, out.hidden_states[-1][0] if chunk.hidden else None
 
-    def decode(self, sb: SubBatch, want_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def decode(self, sb: SubBatch, want_hidden: bool) -> GroupResult:
         """Feed every row's pending token; returns logits [rows, vocab] and last-layer hidden
         [rows, hidden].
         """
@@ -94,30 +82,58 @@ class ModelRunner:
         hidden = out.hidden_states[-1][:, -1] if want_hidden else None
         return out.logits[:, -1].float(), hidden
 
-    def decode_fused(
-        self, sub_batches: list[SubBatch], want_hidden: bool
-    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Feed every sub-batch's pending tokens in one forward (attention still per sub-batch).
-
-        Returns, per sub-batch, what `decode` returns for it.
-        """
+    def packed(
+        self, sub_batches: list[SubBatch], chunks: list[Chunk], want_hidden: list[bool]
+    ) -> list[GroupResult]:
+        """Every sub-batch's pending tokens and every chunk in one forward, attention per group
+        (`engine.fused`). Returns one result per sub-batch, then one per chunk; `want_hidden`
+        says, per sub-batch, whether its rows' hidden states are wanted."""
+        groups, ids, positions, keep = [], [], [], []
+        offset = 0
         for sb in sub_batches:
             sb.reserve(sb.width + 1)
-        inputs = [sb.decode_inputs() for sb in sub_batches]
+            inputs = sb.decode_inputs()
+            mask = inputs["attention_mask"].bool()[:, None, None, :]
+            groups.append(fused.Group(sb.cache, offset, sb.size, sb.size, mask))
+            ids.append(inputs["input_ids"].view(-1))
+            positions.append(inputs["position_ids"].view(-1))
+            keep.extend(range(offset, offset + sb.size))
+            offset += sb.size
+        for ch in chunks:
+            n, stop = len(ch.ids), ch.start + len(ch.ids)
+            pos = torch.arange(ch.start, stop, device=self.device)
+            mask = torch.arange(stop, device=self.device)[None, :] <= pos[:, None]
+            groups.append(fused.Group(ch.cache, offset, n, 1, mask[None, None]))
+            ids.append(torch.tensor(ch.ids, device=self.device))
+            positions.append(pos)
+            if ch.logits:
+                keep.append(offset + n - 1)
+            offset += n
+        hidden_wanted = any(want_hidden) or any(ch.hidden for ch in chunks)
         out = self._forward(
-            input_ids=torch.cat([i["input_ids"] for i in inputs]),
-            position_ids=torch.cat([i["position_ids"] for i in inputs]),
-            past_key_values=FusedCache(sub_batches),
-            output_hidden_states=want_hidden,
+            input_ids=torch.cat(ids)[None],
+            position_ids=torch.cat(positions)[None],
+            attention_mask=self._no_mask,
+            past_key_values=fused.PackedCache(groups, self.n_layers),
+            output_hidden_states=hidden_wanted,
+            logits_to_keep=torch.tensor(keep, device=self.device),
         )
-        logits = out.logits[:, -1].float()
-        hidden = out.hidden_states[-1][:, -1] if want_hidden else None
-        results, start = [], 0
-        for sb in sub_batches:
+        logits = out.logits[0].float()  # [kept positions, vocab]
+        hidden = out.hidden_states[-1][0] if hidden_wanted else None  # [tokens, hidden]
+        results: list[GroupResult] = []
+        row = 0
+        for sb, g, want in zip(sub_batches, groups, want_hidden):
             sb.advance()
-            end = start + sb.size
-            results.append((logits[start:end], hidden[start:end] if want_hidden else None))
-            start = end
+            h = hidden[g.start : g.start + g.tokens] if want else None
+            results.append((logits[row : row + sb.size], h))
+            row += sb.size
+        for ch, g in zip(chunks, groups[len(sub_batches):]):
+            lg = None
+            if ch.logits:
+                lg = logits[row]
+                row += 1
+            h = hidden[g.start : g.start + g.tokens] if ch.hidden else None
+            results.append((lg, h))
         return results
 
     def lookahead(self, row: RowKV, candidates: list[int]) -> torch.Tensor:

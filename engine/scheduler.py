@@ -1,4 +1,16 @@
-"""Scheduler: decides who runs. Admission, aborts, evictions, and the max-sparsity partition."""
+"""Scheduler: decides what each step computes, before any forward call.
+
+Every step runs the decode token of every running row, never skipped, plus prefill chunks of
+waiting prompts in the rest of a token budget (`max_num_batched_tokens`): Sarathi-Serve's
+stall-free batching. A long prompt is prefilled over several steps, a chunk per step, while the
+running streams keep producing a token each step; it joins the decode set the step after its last
+chunk. Jobs are admitted in FIFO order while batch slots last; a new job's prompt starts from the
+longest prefix the prefix cache holds.
+
+The plan (`StepPlan`) carries everything the step does: aborts, evictions, jobs joining the
+decode set, the partition of the decode rows into sub-batches, and the prefill chunks. Tests
+assert on plans without a model.
+"""
 
 from __future__ import annotations
 
@@ -9,32 +21,57 @@ from engine.config import EngineConfig
 from engine.job import Job, SeqStatus, Sequence
 from engine.partition import Partition, partition_by_sparsity
 from engine.queue import JobQueue
+from engine.radix_cache import RadixPrefixCache
+
+
+@dataclass
+class PrefillChunk:
+    """Prompt positions [start, stop) of `job`, computed this step."""
+
+    job: Job
+    start: int
+    stop: int
+
+    @property
+    def tokens(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def last(self) -> bool:
+        """The chunk completes the prompt: its last position's logits give the first token."""
+        return self.stop == len(self.job.prompt_ids)
 
 
 @dataclass
 class StepPlan:
-    """What one step will do, decided before any forward call; tests assert on it without a model.
-    """
+    """What one step does, decided before any forward call."""
 
     step: int
-    aborted: list[Job] = field(default_factory=list)  # jobs cancelled this step (queued or running)
+    aborted: list[Job] = field(default_factory=list)  # jobs cancelled this step (any state)
     # For each aborted job: steps since its abort was requested (its slots are free this step).
     abort_delays: list[int] = field(default_factory=list)
     evicted: list[Sequence] = field(default_factory=list)  # finished rows leaving the batch
-    admitted: list[Job] = field(default_factory=list)  # jobs to prefill and join the batch
-    prefill_tokens: int = 0
+    admitted: list[Job] = field(default_factory=list)  # jobs whose prefill starts this step
+    joined: list[Job] = field(default_factory=list)  # prefilled jobs whose rows decode from now
+    # The decode rows as sub-batches, when membership changed; None keeps the current layout.
+    partition: Partition | None = None
+    groups: list[list[Sequence]] | None = None
+    decode_rows: int = 0
+    chunks: list[PrefillChunk] = field(default_factory=list)
 
     @property
-    def membership_changed(self) -> bool:
-        return bool(self.aborted or self.evicted or self.admitted)
+    def prefill_tokens(self) -> int:
+        return sum(c.tokens for c in self.chunks)
 
 
 class Scheduler:
-    """Owns the wait queue and the set of running sequences; partitions them by sparsity."""
+    """Owns the wait queue, the jobs being prefilled and the running (decoding) sequences."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, prefix_cache: RadixPrefixCache | None = None):
         self.config = config
+        self.prefix_cache = prefix_cache
         self.queue = JobQueue(config.job_queue_size)
+        self.prefilling: list[Job] = []  # admitted, prompt not done (or done, joining next step)
         self.running: list[Sequence] = []
         self.step = 0
         self._abort_ids: dict[str, int] = {}  # job id -> the step during which it was asked
@@ -49,52 +86,93 @@ class Scheduler:
             self._abort_ids.setdefault(job_id, self.step)
 
     def free_slots(self) -> int:
-        return self.config.max_rolling_batch_size - len(self.running)
+        return self.config.max_rolling_batch_size - self.slots_taken()
+
+    def slots_taken(self) -> int:
+        return len(self.running) + sum(len(j.seqs) for j in list(self.prefilling))
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running) or len(self.queue) > 0 or bool(self._abort_ids)
+        return bool(self.running or self.prefilling or len(self.queue) or self._abort_ids)
 
     # -- called from the engine thread ------------------------------------------------------
     def schedule(self) -> StepPlan:
         self.step += 1
         plan = StepPlan(self.step)
+        self._take_aborts(plan)
+        # Prompts whose every sequence ended (failed, or finished on its first token) are done.
+        self.prefilling = [j for j in self.prefilling if not j.done]
+        plan.evicted = [s for s in self.running if s.status.finished]
+        self.running = [s for s in self.running if not s.status.finished]
+        # Jobs whose last chunk ran in the previous step decode from this one.
+        for job in [j for j in self.prefilling if j.computed == len(j.prompt_ids)]:
+            self.prefilling.remove(job)
+            plan.joined.append(job)
+            self.running.extend(s for s in job.seqs if not s.status.finished)
+        if plan.evicted or plan.joined:  # evicted includes running rows aborted just now
+            plan.partition, plan.groups = self.partition()
+        plan.decode_rows = len(self.running)
+
+        budget = self.config.max_num_batched_tokens - plan.decode_rows
+        for job in self.prefilling:  # prompts under way first, oldest first
+            if budget <= 0:
+                break
+            budget -= self._chunk(plan, job, budget)
+        while budget > 0 and (job := self.queue.peek()) is not None:
+            if self.slots_taken() + job.params.n > self.config.max_rolling_batch_size:
+                break
+            self.queue.pop()
+            self._admit(job)
+            plan.admitted.append(job)
+            budget -= self._chunk(plan, job, budget)
+        return plan
+
+    def _take_aborts(self, plan: StepPlan) -> None:
         with self._abort_lock:
             abort_ids, self._abort_ids = self._abort_ids, {}
-        running_jobs = {s.job.job_id: s.job for s in self.running}
+        if not abort_ids:
+            return
+        jobs = {s.job.job_id: s.job for s in self.running}
+        jobs.update((j.job_id, j) for j in self.prefilling)
         for job_id, asked_at in abort_ids.items():
-            job = running_jobs.get(job_id)
+            job = jobs.get(job_id)
             if job is None:
                 job = next((j for j in list(self.queue._jobs) if j.job_id == job_id), None)
                 if job is None or not self.queue.remove(job):
                     continue  # already finished, or never existed
+            elif job in self.prefilling:
+                self.prefilling.remove(job)
             for s in job.seqs:
                 if not s.status.finished:
                     s.status = SeqStatus.ABORT
             plan.aborted.append(job)
             plan.abort_delays.append(self.step - asked_at - 1)
-        plan.evicted = [s for s in self.running if s.status.finished]
-        self.running = [s for s in self.running if not s.status.finished]
 
-        # Admit in FIFO order while slots last; bound the prompt tokens prefilled in one step so a
-        # burst of long prompts does not stall the running batch for long (one job always goes).
-        budget = max(self.config.prefill_chunk_tokens * 4, 1)
-        while (job := self.queue.peek()) is not None:
-            if len(self.running) + job.params.n > self.config.max_rolling_batch_size:
-                break
-            if plan.admitted and plan.prefill_tokens + len(job.prompt_ids) > budget:
-                break
-            self.queue.pop()
-            plan.admitted.append(job)
-            plan.prefill_tokens += len(job.prompt_ids)
-            for s in job.seqs:
-                s.status = SeqStatus.RUNNING
-            self.running.extend(job.seqs)
-        return plan
+    def _admit(self, job: Job) -> None:
+        """Start a job's prefill from the longest cached prefix of its prompt (at least one
+        token is left to compute: its logits give the first new token)."""
+        ids = job.prompt_ids
+        cache = self.prefix_cache
+        if cache is not None and cache.capacity_bytes:
+            job.prefix = cache.match(ids, len(ids) - 1, need_hidden=job.strategy == "contrastive",
+                                     min_tokens=self.config.prompt_cache_min_tokens)
+        if job.prefix is not None:
+            job.cached_tokens = job.computed = job.prefix.length
+        for s in job.seqs:
+            s.status = SeqStatus.RUNNING
+        self.prefilling.append(job)
+
+    def _chunk(self, plan: StepPlan, job: Job, budget: int) -> int:
+        start = job.computed
+        stop = min(len(job.prompt_ids), start + budget)
+        if stop > start:
+            plan.chunks.append(PrefillChunk(job, start, stop))
+        return stop - start
 
     def abort_all(self) -> list[Job]:
-        """End every queued and running job with ABORT (shutdown); returns the jobs touched."""
+        """End every queued, prefilling and running job with ABORT (shutdown); returns them."""
         jobs = {s.job.job_id: s.job for s in self.running}
+        jobs.update((j.job_id, j) for j in self.prefilling)
         while len(self.queue):
             job = self.queue.pop()
             jobs[job.job_id] = job
@@ -102,17 +180,10 @@ class Scheduler:
             for s in job.seqs:
                 if not s.status.finished:
                     s.status = SeqStatus.ABORT
-        self.running = []
+        self.running, self.prefilling = [], []
         with self._abort_lock:
             self._abort_ids.clear()
         return list(jobs.values())
-
-    def drop_finished(self) -> list[Sequence]:
-        """Remove rows that finished during prefill, before the batch is regrouped."""
-        done = [s for s in self.running if s.status.finished]
-        if done:
-            self.running = [s for s in self.running if not s.status.finished]
-        return done
 
     def partition(self) -> tuple[Partition, list[list[Sequence]]]:
         """Partition the running rows by their KV length (max-sparsity thresholding)."""

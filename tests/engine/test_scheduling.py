@@ -28,9 +28,12 @@ def test_jobs_join_next_step_and_leave_when_done(tiny_model, make_engine):
     b = eng.submit([5, 6], params(2))
     s2 = eng.step()
     assert s2.admitted == 1 and s2.running == 2
-    # b has its 2 tokens (one from prefill, one from this decode) and leaves at the next step.
+    # b's prompt ran in step 2 (its first token); it decodes its second token in step 3 and
+    # leaves the batch at step 4.
     s3 = eng.step()
-    assert s3.running == 1
+    assert s3.decode_rows == 2 and s3.finished == 1
+    s4 = eng.step()
+    assert s4.running == 1 and s4.decode_rows == 1
     eng.run_until_idle()
     assert len(collect(a)[0]["tokens"]) == 5 and len(collect(b)[0]["tokens"]) == 2
     assert eng.stats().running == 0
@@ -58,8 +61,8 @@ def test_abort_frees_the_slot_next_step(tiny_model, make_engine):
     st = eng.step()
     assert st.running == 1
     out = collect(gone)[0]
-    # step 1 gives two tokens (prefill + first decode), steps 2 and 3 one each; none after.
-    assert out["finish"] == "abort" and len(out["tokens"]) == 4
+    # step 1 gives a token (the prompt's last position), steps 2 and 3 one each; none after.
+    assert out["finish"] == "abort" and len(out["tokens"]) == 3
     queued = eng.submit([9, 9], params(3))
     eng.abort(queued.job_id)  # aborting a queued job removes it before it runs
     eng.run_until_idle()
@@ -127,33 +130,112 @@ def test_async_stream_from_engine_thread(tiny_model):
     assert eng.stats().running == 0
 
 
+def _job(name: str, length: int, n: int = 1, first: int = 1) -> Job:
+    j = Job(name, list(range(first, first + length)), SamplingParams(n=n), "greedy")
+    j.seqs = [Sequence(j, i) for i in range(n)]
+    return j
+
+
+def _run(plan) -> None:
+    """What the engine does with a plan's chunks, without a model."""
+    for c in plan.chunks:
+        c.job.computed = c.stop
+        if c.last:
+            for s in c.job.seqs:
+                s.kv_len = len(c.job.prompt_ids)
+
+
+def _chunks(plan) -> list[tuple[str, int, int]]:
+    return [(c.job.job_id, c.start, c.stop) for c in plan.chunks]
+
+
 def test_scheduler_plan_without_a_model():
-    sched = Scheduler(
-        EngineConfig(max_rolling_batch_size=3, job_queue_size=10, max_splits=2, max_sparsity=0.1)
-    )
-
-    def job(name, length, n=1):
-        j = Job(name, list(range(1, length + 1)), SamplingParams(n=n), "greedy")
-        j.seqs = [Sequence(j, i) for i in range(n)]
-        return j
-
-    jobs = [job("a", 100), job("b", 10, n=2), job("c", 5)]
-    for j in jobs:
+    sched = Scheduler(EngineConfig(max_rolling_batch_size=3, job_queue_size=10, max_splits=2,
+                                   max_sparsity=0.1, max_num_batched_tokens=40))
+    a, b, c = _job("a", 100), _job("b", 10, n=2), _job("c", 5)
+    for j in (a, b, c):
         sched.submit(j)
+    # A 100-token prompt takes the whole budget for two steps; nobody else is admitted.
     plan = sched.schedule()
-    assert [j.job_id for j in plan.admitted] == ["a", "b"]  # c waits: 3 slots, a + b take 3
-    for j in plan.admitted:
-        for s in j.seqs:
-            s.kv_len = len(j.prompt_ids)
-    part, groups = sched.partition()
-    assert part.k == 2 and [len(g) for g in groups] == [1, 2]  # [100] and [10, 10]
-    jobs[0].seqs[0].status = SeqStatus.LENGTH
+    assert [j.job_id for j in plan.admitted] == ["a"] and _chunks(plan) == [("a", 0, 40)]
+    _run(plan)
     plan = sched.schedule()
-    assert plan.evicted == [jobs[0].seqs[0]] and [j.job_id for j in plan.admitted] == ["c"]
+    assert not plan.admitted and _chunks(plan) == [("a", 40, 80)]
+    _run(plan)
+    # Its last 20 tokens leave room for b (a + b take the 3 slots; c waits for a slot).
+    plan = sched.schedule()
+    assert _chunks(plan) == [("a", 80, 100), ("b", 0, 10)] and plan.chunks[0].last
+    assert [j.job_id for j in plan.admitted] == ["b"] and plan.decode_rows == 0
+    _run(plan)
+    # Both prompts are done: their rows join the decode set, partitioned in the plan.
+    plan = sched.schedule()
+    assert [j.job_id for j in plan.joined] == ["a", "b"] and plan.decode_rows == 3
+    assert plan.partition.k == 2 and [len(g) for g in plan.groups] == [1, 2]  # [100], [10, 10]
+    assert not plan.chunks and not plan.admitted  # no free slot for c
+    # a finishes and b is aborted: their rows leave, c is admitted, the batch is regrouped.
+    a.seqs[0].status = SeqStatus.LENGTH
     sched.request_abort("b")
     plan = sched.schedule()
     assert [j.job_id for j in plan.aborted] == ["b"]
-    assert all(s.status == SeqStatus.ABORT for s in jobs[1].seqs)
+    assert all(s.status == SeqStatus.ABORT for s in b.seqs)
+    assert set(plan.evicted) == {a.seqs[0], *b.seqs} and plan.groups == []
+    assert [j.job_id for j in plan.admitted] == ["c"] and _chunks(plan) == [("c", 0, 5)]
+
+
+def test_decode_rows_are_never_skipped_and_prompts_share_the_rest():
+    sched = Scheduler(EngineConfig(max_rolling_batch_size=8, max_num_batched_tokens=20))
+    short = [_job(f"s{i}", 3) for i in range(6)]
+    for j in short:
+        sched.submit(j)
+    _run(sched.schedule())  # 6 × 3 tokens fit one step
+    long = _job("long", 50)
+    sched.submit(long)
+    plan = sched.schedule()
+    # The six rows decode and the new prompt gets the other 14 tokens of the budget, step
+    # after step, until it is done.
+    assert plan.decode_rows == 6 and _chunks(plan) == [("long", 0, 14)]
+    done = 14
+    while done < 50:
+        _run(plan)
+        plan = sched.schedule()
+        assert plan.decode_rows == 6 and plan.chunks[0].start == done
+        done = plan.chunks[0].stop
+    assert done == 50 and plan.chunks[0].last
+
+
+def test_abort_of_a_prompt_mid_prefill():
+    sched = Scheduler(EngineConfig(max_rolling_batch_size=4, max_num_batched_tokens=16))
+    a, b = _job("a", 64), _job("b", 8, first=200)
+    sched.submit(a)
+    sched.submit(b)
+    _run(sched.schedule())
+    sched.request_abort("a")
+    plan = sched.schedule()
+    assert [j.job_id for j in plan.aborted] == ["a"] and a not in sched.prefilling
+    assert _chunks(plan) == [("b", 0, 8)]  # b takes the budget a left
+    assert sched.slots_taken() == 1
+
+
+def test_admission_starts_from_the_cached_prefix():
+    import torch
+
+    from engine.radix_cache import PrefixEntry, RadixPrefixCache
+
+    cache = RadixPrefixCache(1 << 20)
+    cfg = EngineConfig(max_rolling_batch_size=4, max_num_batched_tokens=64,
+                       prompt_cache_min_tokens=4)
+    ids = list(range(1, 41))
+    kv = [torch.zeros(2, 30, 4)]
+    cache.insert(ids[:30], PrefixEntry(kv, kv, None, 30))
+    sched = Scheduler(cfg, cache)
+    hit, whole = _job("hit", 40), _job("whole", 30)
+    sched.submit(hit)
+    sched.submit(whole)
+    plan = sched.schedule()
+    # 30 cached tokens: only the last 10 are computed. A prompt that is entirely cached still
+    # computes its last token, whose logits give the first new one.
+    assert _chunks(plan) == [("hit", 30, 40), ("whole", 29, 30)]
+    assert hit.cached_tokens == 30 and whole.cached_tokens == 29
 
 
 def test_stop_without_drain_ends_every_stream(tiny_model):
