@@ -170,6 +170,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_num_batched_tokens", "engine", _int(2), ("option.max_num_batched_tokens",),
            "--max-num-batched-tokens",
            "tokens per engine step: every running row's next token, then prompt chunks"),
+    Option("chunk_attention_tokens", "engine", _int(0), ("option.chunk_attention_tokens",),
+           "--chunk-attention-tokens",
+           "context tokens whose attention a prompt chunk is charged one token for "
+           "(0: derived from the model)"),
     Option("num_threads", "engine", _int(0), ("option.num_threads",), "--num-threads",
            "torch intra-op threads for the engine (0: chosen from the cores available)"),
     Option("max_model_len", "engine", _int(0), ("option.max_model_len",), "--max-model-len"),

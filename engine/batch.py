@@ -1,10 +1,16 @@
 """The rolling batch's KV storage: sub-batches of left-padded rows, regrouped when membership
 changes.
 
-Every row's real tokens are the rightmost `length` columns of its sub-batch (left padding): after a
-prefill a row occupies [width - length, width), and every decode step appends one column for all
+A sub-batch's slab has a window of columns in use, [start, end): every row's real tokens are the
+rightmost ones of the window (left padding), and every decode step appends one column for all
 rows at once. So a row's mask and position follow from its length alone, and a row can be cut out
 of one sub-batch and written into another without knowing anything but its length.
+
+Membership changes are cheap where they can be: a row that leaves is replaced by the slab's last
+row (one row copied, not the sub-batch), the window then narrows to the longest row left (free:
+the padding columns on the left are simply no longer used), and a newly prefilled row joins a
+sub-batch in place when the slab has a spare row and its window can widen to the row's length.
+Only the rest is rebuilt into a fresh slab.
 """
 
 from __future__ import annotations
@@ -42,20 +48,22 @@ def new_slabs(like: torch.Tensor, shapes: list[tuple[tuple[int, ...], tuple[int,
 
 
 class SlabLayer(DynamicLayer):
-    """One layer's KV for a sub-batch: a preallocated [b, heads, capacity, dim] buffer, filled up
-    to `length`.
-    """
+    """One layer's KV for a sub-batch: a preallocated [row capacity, heads, column capacity, dim]
+    buffer whose first `rows` rows and columns [start, end) are in use."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, end: int, rows: int | None = None,
+                 start: int = 0):
         super().__init__()
-        self.kbuf, self.vbuf, self.length = keys, values, length
+        self.kbuf, self.vbuf = keys, values
+        self.start, self.end = start, end
+        self.rows = keys.shape[0] if rows is None else rows
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
         self._views()
 
     def _views(self) -> None:
-        self.keys = self.kbuf[:, :, : self.length]
-        self.values = self.vbuf[:, :, : self.length]
+        self.keys = self.kbuf[: self.rows, :, self.start : self.end]
+        self.values = self.vbuf[: self.rows, :, self.start : self.end]
 
     @property
     def capacity(self) -> int:
@@ -63,17 +71,17 @@ class SlabLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         n = key_states.shape[-2]
-        if self.length + n > self.capacity:
-            raise RuntimeError(f"slab full ({self.length} + {n} > {self.capacity} columns): "
+        if self.end + n > self.capacity:
+            raise RuntimeError(f"slab full ({self.end} + {n} > {self.capacity} columns): "
                                "SubBatch.reserve must run before the forward")
-        self.kbuf[:, :, self.length : self.length + n] = key_states
-        self.vbuf[:, :, self.length : self.length + n] = value_states
-        self.length += n
+        self.kbuf[: self.rows, :, self.end : self.end + n] = key_states
+        self.vbuf[: self.rows, :, self.end : self.end + n] = value_states
+        self.end += n
         self._views()
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        return self.length
+        return self.end - self.start
 
 
 class SlabCache(Cache):
@@ -98,11 +106,20 @@ class SubBatch:
     def __init__(self, seqs: list[Sequence], cache: SlabCache, width: int):
         self.seqs = seqs
         self.cache = cache
-        self.width = width  # columns in use (the longest row's length)
+        self.width = width  # columns in use (at least the longest row's length)
 
     @property
     def size(self) -> int:
         return len(self.seqs)
+
+    @property
+    def row_capacity(self) -> int:
+        return self.cache.layers[0].kbuf.shape[0]
+
+    @property
+    def end(self) -> int:
+        """The slab column after the window (where the next decode step writes)."""
+        return self.cache.layers[0].end
 
     def lengths(self) -> list[int]:
         return [s.kv_len for s in self.seqs]
@@ -112,9 +129,8 @@ class SubBatch:
 
     def row(self, i: int) -> RowKV:
         length = self.seqs[i].kv_len
-        start = self.width - length
-        keys = [layer.kbuf[i, :, start : self.width] for layer in self.cache.layers]
-        values = [layer.vbuf[i, :, start : self.width] for layer in self.cache.layers]
+        keys = [layer.kbuf[i, :, layer.end - length : layer.end] for layer in self.cache.layers]
+        values = [layer.vbuf[i, :, layer.end - length : layer.end] for layer in self.cache.layers]
         return RowKV(keys, values, length)
 
     def kv_bytes(self) -> int:
@@ -142,23 +158,72 @@ class SubBatch:
         self.width += 1
 
     def reserve(self, columns: int) -> None:
-        """Make room for `columns` columns in every layer, moving the slabs to a larger block
-        (with `GROWTH_COLUMNS` to spare) when they are full. Called before each decode forward."""
+        """Make room for a window of `columns` columns in every layer, moving the slabs to a
+        larger block (the window at its left edge, `GROWTH_COLUMNS` to spare) when they are full.
+        Called before each decode forward."""
         layers = self.cache.layers
-        if columns <= min(layer.capacity for layer in layers):
+        if layers[0].start + columns <= layers[0].capacity:
             return
         capacity = columns + GROWTH_COLUMNS
         shapes = [((*layer.kbuf.shape[:2], capacity, layer.kbuf.shape[-1]),
                    (*layer.vbuf.shape[:2], capacity, layer.vbuf.shape[-1])) for layer in layers]
         for layer, (k, v) in zip(layers, new_slabs(layers[0].kbuf, shapes)):
-            k[:, :, : layer.length] = layer.kbuf[:, :, : layer.length]
-            v[:, :, : layer.length] = layer.vbuf[:, :, : layer.length]
-            layer.kbuf, layer.vbuf = k, v
+            n, used = layer.rows, layer.end - layer.start
+            k[:n, :, :used] = layer.kbuf[:n, :, layer.start : layer.end]
+            v[:n, :, :used] = layer.vbuf[:n, :, layer.start : layer.end]
+            layer.kbuf, layer.vbuf, layer.start, layer.end = k, v, 0, used
             layer._views()
+
+    # -- membership changes in place ---------------------------------------------------------
+    def can_take(self, staying: list[Sequence], joining: list[RowKV]) -> bool:
+        """Whether the rows `staying` plus `joining` fit this slab without moving it."""
+        longest = max([s.kv_len for s in staying] + [r.length for r in joining])
+        return len(staying) + len(joining) <= self.row_capacity and longest <= self.end
+
+    def drop(self, leaving: set[Sequence]) -> None:
+        """Remove rows: each hole takes the slab's last row (one row copied), then the window
+        narrows to the longest row left."""
+        layers = self.cache.layers
+        for i in sorted((i for i, s in enumerate(self.seqs) if s in leaving), reverse=True):
+            last = len(self.seqs) - 1
+            if i != last:
+                for layer in layers:
+                    layer.kbuf[i, :, layer.start : layer.end] = \
+                        layer.kbuf[last, :, layer.start : layer.end]
+                    layer.vbuf[i, :, layer.start : layer.end] = \
+                        layer.vbuf[last, :, layer.start : layer.end]
+                self.seqs[i] = self.seqs[last]
+            self.seqs.pop()
+        self.width = max((s.kv_len for s in self.seqs), default=0)
+        for layer in layers:
+            layer.rows, layer.start = len(self.seqs), layer.end - self.width
+            layer._views()
+
+    def add(self, seq: Sequence, row: RowKV) -> None:
+        """Write a new row into the next spare row (`can_take` must hold), widening the window
+        to its length when it is longer than every row (the newly used padding is zeroed)."""
+        layers = self.cache.layers
+        i, end = len(self.seqs), self.end
+        if row.length > self.width:
+            for layer in layers:
+                new_start = end - row.length
+                layer.kbuf[:i, :, new_start : layer.start].zero_()
+                layer.vbuf[:i, :, new_start : layer.start].zero_()
+            self.width = row.length
+        start = end - self.width
+        for li, layer in enumerate(layers):
+            layer.kbuf[i, :, start : end - row.length].zero_()
+            layer.vbuf[i, :, start : end - row.length].zero_()
+            layer.kbuf[i, :, end - row.length : end] = row.keys[li]
+            layer.vbuf[i, :, end - row.length : end] = row.values[li]
+            layer.rows, layer.start = i + 1, start
+            layer._views()
+        self.seqs.append(seq)
 
 
 def build_sub_batch(seqs: list[Sequence], sources: list[tuple[SubBatch, int] | RowKV]) -> SubBatch:
-    """Write rows into a fresh left-padded slab, `GROWTH_COLUMNS` wide beyond the longest row.
+    """Write rows into a fresh left-padded slab, `GROWTH_COLUMNS` wide beyond the longest row,
+    with a quarter more rows (rounded down) for rows that join later.
 
     A source is a row of an existing sub-batch, `(sub_batch, index)`, or a newly prefilled RowKV.
     Rows taken from one sub-batch move with one gather per layer: their real tokens all lie in
@@ -175,6 +240,7 @@ def build_sub_batch(seqs: list[Sequence], sources: list[tuple[SubBatch, int] | R
             dsts.append(dst)
             rows.append(src[1])
     proto = fresh[0][1] if fresh else None
+    rows = len(seqs) + len(seqs) // 4
     shapes = []
     for li in range(_layer_count(sources)):
         if proto is not None:
@@ -184,25 +250,25 @@ def build_sub_batch(seqs: list[Sequence], sources: list[tuple[SubBatch, int] | R
             old = next(iter(moved)).cache.layers[li]
             ref_k = old.kbuf
             heads, kdim, vdim = ref_k.shape[1], ref_k.shape[-1], old.vbuf.shape[-1]
-        shapes.append(((len(seqs), heads, width + GROWTH_COLUMNS, kdim),
-                       (len(seqs), heads, width + GROWTH_COLUMNS, vdim)))
+        shapes.append(((rows, heads, width + GROWTH_COLUMNS, kdim),
+                       (rows, heads, width + GROWTH_COLUMNS, vdim)))
     like = proto.keys[0] if proto is not None else next(iter(moved)).cache.layers[0].kbuf
     layers = []
     for li, (kbuf, vbuf) in enumerate(new_slabs(like, shapes)):
         # Padding must hold finite values (masked scores still multiply V); zero the used window.
-        kbuf[:, :, :width].zero_()
-        vbuf[:, :, :width].zero_()
-        for sb, (dsts, rows) in moved.items():
+        kbuf[: len(seqs), :, :width].zero_()
+        vbuf[: len(seqs), :, :width].zero_()
+        for sb, (dsts, picked) in moved.items():
             w = min(sb.width, width)
             src = sb.cache.layers[li]
-            idx = torch.tensor(rows, device=kbuf.device)
+            idx = torch.tensor(picked, device=kbuf.device)
             at = torch.tensor(dsts, device=kbuf.device)
-            kbuf[at, :, width - w : width] = src.kbuf[idx, :, sb.width - w : sb.width]
-            vbuf[at, :, width - w : width] = src.vbuf[idx, :, sb.width - w : sb.width]
+            kbuf[at, :, width - w : width] = src.kbuf[idx, :, src.end - w : src.end]
+            vbuf[at, :, width - w : width] = src.vbuf[idx, :, src.end - w : src.end]
         for dst, row in fresh:
             kbuf[dst, :, width - row.length : width] = row.keys[li]
             vbuf[dst, :, width - row.length : width] = row.values[li]
-        layers.append(SlabLayer(kbuf, vbuf, width))
+        layers.append(SlabLayer(kbuf, vbuf, width, rows=len(seqs)))
     return SubBatch(list(seqs), SlabCache(layers), width)
 
 
@@ -237,23 +303,39 @@ class RollingBatch:
         return sum(sb.padded_tokens() for sb in self.sub_batches)
 
     def regroup(self, groups: list[list[Sequence]], new_rows: dict[Sequence, RowKV]) -> None:
-        """Lay the rows out as `groups`, reusing a sub-batch whose rows are exactly a group.
-
-        Rows come from their current sub-batch or, for newly prefilled ones, from `new_rows`.
-        Rows in no group are dropped.
+        """Lay the rows out as `groups`, editing a sub-batch in place where a group is its rows
+        less some plus newly prefilled ones that fit (`SubBatch.can_take`), else building a fresh
+        slab. Rows come from their current sub-batch or, newly prefilled, from `new_rows`. Rows
+        in no group are dropped.
         """
         where: dict[Sequence, tuple[SubBatch, int]] = {}
-        by_members: dict[frozenset, SubBatch] = {}
         for sb in self.sub_batches:
-            by_members[frozenset(sb.seqs)] = sb
             for i, s in enumerate(sb.seqs):
                 where[s] = (sb, i)
-        result = []
-        for group in groups:
-            kept = by_members.get(frozenset(group))
-            if kept is not None:
-                result.append(kept)
-                continue
-            rows = [new_rows[s] if s in new_rows else where[s] for s in group]
-            result.append(build_sub_batch(group, rows))
+        edits: dict[int, SubBatch] = {}  # group index -> the sub-batch edited into it
+        for gi, group in enumerate(groups):
+            best, best_kept = None, 0
+            for sb in self.sub_batches:
+                if sb in edits.values():
+                    continue
+                kept = [s for s in group if where.get(s, (None,))[0] is sb]
+                joining = [s for s in group if where.get(s, (None,))[0] is not sb]
+                if len(kept) > best_kept and all(s in new_rows for s in joining) and \
+                        sb.can_take(kept, [new_rows[s] for s in joining]):
+                    best, best_kept = sb, len(kept)
+            if best is not None:
+                edits[gi] = best
+        # Fresh slabs first: they read rows from sub-batches that the edits below rewrite.
+        result: list[SubBatch | None] = [None] * len(groups)
+        for gi, group in enumerate(groups):
+            if gi not in edits:
+                result[gi] = build_sub_batch(group, [new_rows[s] if s in new_rows else where[s]
+                                                     for s in group])
+        for gi, sb in edits.items():
+            members = set(groups[gi])
+            sb.drop({s for s in sb.seqs if s not in members})
+            for s in groups[gi]:
+                if where.get(s, (None,))[0] is not sb:
+                    sb.add(s, new_rows[s])
+            result[gi] = sb
         self.sub_batches = result

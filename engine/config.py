@@ -64,6 +64,9 @@ class EngineConfig:
     # Tokens one step computes: every running row's decode token, then prompt chunks in what is
     # left (stall-free chunked prefill). Must exceed max_rolling_batch_size.
     max_num_batched_tokens: int = 512
+    # Context tokens whose attention costs as much as one token's linear layers, for charging
+    # a prompt chunk's attention to the budget; 0 derives it from the model (ModelRunner).
+    chunk_attention_tokens: int = 0
     # torch intra-op threads; 0 picks a default from the cores available.
     num_threads: int = 0
     # Context length limit; 0 means the model's max_position_embeddings.
@@ -89,6 +92,9 @@ class EngineConfig:
             raise ConfigError("max_num_batched_tokens", self.max_num_batched_tokens,
                               f"more than max_rolling_batch_size ({self.max_rolling_batch_size}),"
                               " so that prompts progress while the batch decodes")
+        if self.chunk_attention_tokens < 0:
+            raise ConfigError("chunk_attention_tokens", self.chunk_attention_tokens,
+                              ">= 0 (0 = derived from the model)")
         if self.num_threads < 0:
             raise ConfigError("num_threads", self.num_threads, ">= 0 (0 = auto)")
         if self.max_model_len < 0:

@@ -124,7 +124,9 @@ class Engine:
         self.runner = ModelRunner(self.loaded.model, self.loaded.device)
         self.fused = self.config.fuse_sub_batches and fused.install(self.loaded.model)
         self.prefix_cache = RadixPrefixCache(self.config.prompt_cache_bytes)
-        self.scheduler = Scheduler(self.config, self.prefix_cache)
+        self.scheduler = Scheduler(
+            self.config, self.prefix_cache,
+            self.config.chunk_attention_tokens or self.runner.attention_tokens())
         self.batch = RollingBatch()
         self.decoder = TokenDecoder(self.runner, self.eos_ids, self.max_model_len)
         self._stats = EngineStats()
@@ -423,7 +425,7 @@ class Engine:
             touched[s.job.job_id] = s.job
         for job in self.scheduler.prefilling:
             job.kv, job.hidden = None, []
-        self.scheduler.running, self.scheduler.prefilling = [], []
+        self.scheduler.running, self.scheduler.prefilling, self.scheduler.layout = [], [], []
         self.batch.sub_batches = []
         self._publish(touched)
 

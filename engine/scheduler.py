@@ -14,14 +14,18 @@ assert on plans without a model.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.job import Job, SeqStatus, Sequence
-from engine.partition import Partition, partition_by_sparsity
+from engine.partition import Partition, padding, partition_by_sparsity, sparsity
 from engine.queue import JobQueue
 from engine.radix_cache import RadixPrefixCache
+
+# A step's budget when no row decodes (see `Scheduler.schedule`).
+ALONE_TOKENS = 2048
 
 
 @dataclass
@@ -67,12 +71,15 @@ class StepPlan:
 class Scheduler:
     """Owns the wait queue, the jobs being prefilled and the running (decoding) sequences."""
 
-    def __init__(self, config: EngineConfig, prefix_cache: RadixPrefixCache | None = None):
+    def __init__(self, config: EngineConfig, prefix_cache: RadixPrefixCache | None = None,
+                 attention_tokens: int = 1 << 30):
         self.config = config
         self.prefix_cache = prefix_cache
+        self.attention_tokens = attention_tokens
         self.queue = JobQueue(config.job_queue_size)
         self.prefilling: list[Job] = []  # admitted, prompt not done (or done, joining next step)
         self.running: list[Sequence] = []
+        self.layout: list[list[Sequence]] = []  # the decode rows' groups, as last planned
         self.step = 0
         self._abort_ids: dict[str, int] = {}  # job id -> the step during which it was asked
         self._abort_lock = threading.Lock()
@@ -110,10 +117,14 @@ class Scheduler:
             plan.joined.append(job)
             self.running.extend(s for s in job.seqs if not s.status.finished)
         if plan.evicted or plan.joined:  # evicted includes running rows aborted just now
-            plan.partition, plan.groups = self.partition()
+            plan.partition, plan.groups = self._regroup(plan)
+            self.layout = plan.groups
         plan.decode_rows = len(self.running)
 
-        budget = self.config.max_num_batched_tokens - plan.decode_rows
+        # With no row decoding there is nothing to stall: prompts go in larger steps (fewer
+        # passes over the weights), bounded for the activations' memory.
+        budget = (self.config.max_num_batched_tokens - plan.decode_rows if plan.decode_rows
+                  else max(self.config.max_num_batched_tokens, ALONE_TOKENS))
         for job in self.prefilling:  # prompts under way first, oldest first
             if budget <= 0:
                 break
@@ -162,12 +173,25 @@ class Scheduler:
             s.status = SeqStatus.RUNNING
         self.prefilling.append(job)
 
+    def chunk_cost(self, start: int, tokens: int) -> int:
+        """Budget units of computing prompt positions [start, start + tokens): a token each for
+        the linear layers, plus attention over the context, which grows with it (a query at
+        position p attends to p + 1 keys; `attention_tokens` keys cost as much as one token)."""
+        return tokens + tokens * (2 * start + tokens) // (2 * self.attention_tokens)
+
     def _chunk(self, plan: StepPlan, job: Job, budget: int) -> int:
-        start = job.computed
-        stop = min(len(job.prompt_ids), start + budget)
-        if stop > start:
-            plan.chunks.append(PrefillChunk(job, start, stop))
-        return stop - start
+        """Plan the longest chunk of `job`'s prompt that fits `budget`; returns its cost."""
+        start, left = job.computed, len(job.prompt_ids) - job.computed
+        k = self.attention_tokens
+        # The largest n with n * (1 + (start + n / 2) / k) <= budget (the cost's inverse).
+        a = 1 + start / k
+        tokens = min(left, max(1, int(k * (math.sqrt(a * a + 2 * budget / k) - a))))
+        while tokens > 1 and self.chunk_cost(start, tokens) > budget:
+            tokens -= 1
+        while tokens < left and self.chunk_cost(start, tokens + 1) <= budget:
+            tokens += 1
+        plan.chunks.append(PrefillChunk(job, start, start + tokens))
+        return self.chunk_cost(start, tokens)
 
     def abort_all(self) -> list[Job]:
         """End every queued, prefilling and running job with ABORT (shutdown); returns them."""
@@ -180,10 +204,40 @@ class Scheduler:
             for s in job.seqs:
                 if not s.status.finished:
                     s.status = SeqStatus.ABORT
-        self.running, self.prefilling = [], []
+        self.running, self.prefilling, self.layout = [], [], []
         with self._abort_lock:
             self._abort_ids.clear()
         return list(jobs.values())
+
+    def _regroup(self, plan: StepPlan) -> tuple[Partition, list[list[Sequence]]]:
+        """The decode rows' sub-batches after rows left or joined.
+
+        The current groups are kept, less the rows that left; each joining row goes to the group
+        it pads least among those at least as long, or a group of its own while `max_splits`
+        allows. Kept groups change in place (cheap: `RollingBatch.regroup`). When that layout's
+        sparsity exceeds `max_sparsity`, or a row has no group, the rows are partitioned anew
+        by max-sparsity thresholding.
+        """
+        groups = [[s for s in g if not s.status.finished] for g in self.layout]
+        groups = [g for g in groups if g]
+        joining = sorted((s for job in plan.joined for s in job.seqs if not s.status.finished),
+                         key=lambda s: -s.kv_len)
+        for s in joining:
+            longest = [max(x.kv_len for x in g) for g in groups]
+            fits = [i for i, n in enumerate(longest) if n >= s.kv_len]
+            if fits:
+                groups[min(fits, key=lambda i: longest[i])].append(s)
+            elif len(groups) < self.config.max_splits:
+                groups.append([s])
+            else:
+                return self.partition()
+        index = {s: i for i, s in enumerate(self.running)}
+        lengths = [s.kv_len for s in self.running]
+        part_groups = tuple(tuple(index[s] for s in g) for g in groups)
+        spars = sparsity(lengths, part_groups)
+        if spars > self.config.max_sparsity:
+            return self.partition()
+        return Partition(part_groups, spars, padding(lengths, part_groups)), groups
 
     def partition(self) -> tuple[Partition, list[list[Sequence]]]:
         """Partition the running rows by their KV length (max-sparsity thresholding)."""

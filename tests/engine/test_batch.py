@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.batch import GROWTH_COLUMNS, RowKV, build_sub_batch, new_slabs
+from engine.batch import GROWTH_COLUMNS, RollingBatch, RowKV, build_sub_batch, new_slabs
 from engine.job import Job, Sequence
 from engine.sampling_params import SamplingParams
 
@@ -53,3 +53,39 @@ def test_layers_of_different_shapes_get_their_own_buffers():
     assert [k.shape[1] for k, _ in mixed] == [2, 1]
     uneven = new_slabs(like, [((1, 2, 8, 4), (1, 2, 8, 6))])  # value dim differs from key dim
     assert uneven[0][0].shape[-1] == 4 and uneven[0][1].shape[-1] == 6
+
+
+def test_rows_leave_and_join_in_place():
+    lengths = [9, 5, 7, 3, 8]
+    rows = [row(n, i) for i, n in enumerate(lengths)]
+    ss = seqs(lengths)
+    batch = RollingBatch()
+    batch.regroup([ss], dict(zip(ss, rows)))
+    sb = batch.sub_batches[0]
+    assert sb.row_capacity == 6  # a quarter more rows than it was built with
+    storage = sb.cache.layers[0].kbuf.untyped_storage().data_ptr()
+    # The 9-token row and the 3-token row leave: the window narrows to 8 columns.
+    batch.regroup([[ss[1], ss[2], ss[4]]], {})
+    assert batch.sub_batches == [sb] and sb.width == 8 and sb.size == 3
+    # A new 9-token row and a new 4-token row join: the window widens back to 9 (the column
+    # before it is free), the spare rows take them.
+    extra = seqs([9, 4])
+    new = {extra[0]: row(9, 7), extra[1]: row(4, 8)}
+    batch.regroup([[ss[1], ss[2], ss[4], *extra]], new)
+    assert batch.sub_batches == [sb] and sb.width == 9 and sb.size == 5
+    assert sb.cache.layers[0].kbuf.untyped_storage().data_ptr() == storage  # nothing moved
+    want = {ss[1]: rows[1], ss[2]: rows[2], ss[4]: rows[4], **new}
+    for i, s in enumerate(sb.seqs):
+        got = sb.row(i)
+        for li in range(LAYERS):
+            assert torch.equal(got.keys[li], want[s].keys[li])
+            assert torch.equal(got.values[li], want[s].values[li])
+    for layer in sb.cache.layers:  # padding is zeros, the window is what attention sees
+        assert layer.keys.shape[0] == 5 and layer.keys.shape[2] == 9
+        for i, s in enumerate(sb.seqs):
+            assert torch.count_nonzero(layer.keys[i, :, : 9 - s.kv_len]) == 0
+    # A row longer than the window's end cannot join in place: a fresh slab is built.
+    longer = seqs([10])
+    batch.regroup([[ss[1], *longer]], {longer[0]: row(10, 9)})
+    assert batch.sub_batches[0] is not sb
+    assert torch.equal(batch.sub_batches[0].row(0).keys[0], rows[1].keys[0])

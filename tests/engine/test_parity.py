@@ -88,7 +88,8 @@ def test_rolling_batch_with_splitting_and_cache_equals_generate(smollm2, make_en
     assert sum(s.cached_prompt_tokens > 0 for s in stats) >= 3, "the prompt cache should hit"
     mixed = [s for s in stats if s.prefill_chunks and s.decode_rows]
     assert len(mixed) >= 5, "prompt chunks should run in the same steps as decoding rows"
-    assert all(s.prefill_tokens + s.decode_rows <= budget for s in stats)
+    # (A step with no row decoding may take up to ALONE_TOKENS: nothing can stall.)
+    assert all(s.prefill_tokens + s.decode_rows <= budget for s in stats if s.decode_rows)
     for j, h in handles.items():
         got = collect(h)[0]
         ref = reference_greedy(smollm2.model, jobs[j], budgets[j], budgets[j])

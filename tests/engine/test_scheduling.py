@@ -149,45 +149,105 @@ def _chunks(plan) -> list[tuple[str, int, int]]:
     return [(c.job.job_id, c.start, c.stop) for c in plan.chunks]
 
 
+def _running(sched: Scheduler, job: Job) -> None:
+    """Admit and prefill `job` so that its rows decode from the next step."""
+    sched.submit(job)
+    _run(sched.schedule())
+
+
 def test_scheduler_plan_without_a_model():
-    sched = Scheduler(EngineConfig(max_rolling_batch_size=3, job_queue_size=10, max_splits=2,
+    sched = Scheduler(EngineConfig(max_rolling_batch_size=4, job_queue_size=10, max_splits=2,
                                    max_sparsity=0.1, max_num_batched_tokens=40))
-    a, b, c = _job("a", 100), _job("b", 10, n=2), _job("c", 5)
+    r = _job("r", 5, first=500)
+    _running(sched, r)  # alone in the engine: its whole prompt in one step
+    a, b, c = _job("a", 100), _job("b", 10, n=2), _job("c", 5, first=300)
     for j in (a, b, c):
         sched.submit(j)
-    # A 100-token prompt takes the whole budget for two steps; nobody else is admitted.
+    # r decodes every step; a's 100 tokens take the rest of the budget for two steps.
     plan = sched.schedule()
-    assert [j.job_id for j in plan.admitted] == ["a"] and _chunks(plan) == [("a", 0, 40)]
+    assert [j.job_id for j in plan.joined] == ["r"] and plan.decode_rows == 1
+    assert [j.job_id for j in plan.admitted] == ["a"] and _chunks(plan) == [("a", 0, 39)]
     _run(plan)
     plan = sched.schedule()
-    assert not plan.admitted and _chunks(plan) == [("a", 40, 80)]
+    assert not plan.admitted and _chunks(plan) == [("a", 39, 78)] and plan.groups is None
     _run(plan)
-    # Its last 20 tokens leave room for b (a + b take the 3 slots; c waits for a slot).
+    # Its last 22 tokens leave room for b (r + a + b take the 4 slots; c waits for a slot).
     plan = sched.schedule()
-    assert _chunks(plan) == [("a", 80, 100), ("b", 0, 10)] and plan.chunks[0].last
-    assert [j.job_id for j in plan.admitted] == ["b"] and plan.decode_rows == 0
+    assert _chunks(plan) == [("a", 78, 100), ("b", 0, 10)] and plan.chunks[0].last
+    assert [j.job_id for j in plan.admitted] == ["b"]
     _run(plan)
-    # Both prompts are done: their rows join the decode set, partitioned in the plan.
+    # Both prompts are done: their rows join, partitioned in the plan (r's group would pad
+    # too much if they joined it, so the rows are partitioned anew: [100] and [10, 10, 5]).
     plan = sched.schedule()
-    assert [j.job_id for j in plan.joined] == ["a", "b"] and plan.decode_rows == 3
-    assert plan.partition.k == 2 and [len(g) for g in plan.groups] == [1, 2]  # [100], [10, 10]
+    assert [j.job_id for j in plan.joined] == ["a", "b"] and plan.decode_rows == 4
+    assert plan.partition.k == 2 and [len(g) for g in plan.groups] == [1, 3]
     assert not plan.chunks and not plan.admitted  # no free slot for c
-    # a finishes and b is aborted: their rows leave, c is admitted, the batch is regrouped.
+    # a finishes and b is aborted: their rows leave, c is admitted; r's group stays.
     a.seqs[0].status = SeqStatus.LENGTH
     sched.request_abort("b")
     plan = sched.schedule()
     assert [j.job_id for j in plan.aborted] == ["b"]
     assert all(s.status == SeqStatus.ABORT for s in b.seqs)
-    assert set(plan.evicted) == {a.seqs[0], *b.seqs} and plan.groups == []
+    assert set(plan.evicted) == {a.seqs[0], *b.seqs} and plan.groups == [[r.seqs[0]]]
     assert [j.job_id for j in plan.admitted] == ["c"] and _chunks(plan) == [("c", 0, 5)]
+
+
+def test_joining_rows_keep_the_layout_while_it_is_sparse_enough():
+    sched = Scheduler(EngineConfig(max_rolling_batch_size=8, max_splits=3, max_sparsity=0.2,
+                                   max_num_batched_tokens=4096))
+    long, short = _job("long", 100), _job("short", 20, first=200)
+    _running(sched, long)
+    _running(sched, short)
+    plan = sched.schedule()
+    assert [len(g) for g in plan.groups] == [1, 1]  # [100] and [20]: 80 padded tokens is 0.67
+    # A 95-token row pads the long group least (5); an 18-token one joins the short group.
+    mid, small = _job("mid", 95, first=400), _job("small", 18, first=600)
+    _running(sched, mid)
+    _running(sched, small)
+    plan = sched.schedule()
+    assert plan.groups == [[long.seqs[0], mid.seqs[0]], [short.seqs[0], small.seqs[0]]]
+    # A 60-token row joins the long group too: 47 padded tokens over 293 is within 0.2.
+    odd = _job("odd", 60, first=800)
+    _running(sched, odd)
+    plan = sched.schedule()
+    assert plan.groups == [[long.seqs[0], mid.seqs[0], odd.seqs[0]],
+                           [short.seqs[0], small.seqs[0]]]
+    # Without the 95-token row that group would pad 40 of 198 tokens (0.21): partitioned anew.
+    mid.seqs[0].status = SeqStatus.EOS
+    plan = sched.schedule()
+    assert plan.groups == [[long.seqs[0]], [odd.seqs[0]], [short.seqs[0], small.seqs[0]]]
+    # Rows leaving a layout that stays sparse enough keep everyone else where they are.
+    small.seqs[0].status = SeqStatus.EOS
+    plan = sched.schedule()
+    assert plan.groups == [[long.seqs[0]], [odd.seqs[0]], [short.seqs[0]]]
+
+
+def test_chunks_are_charged_for_their_attention():
+    sched = Scheduler(EngineConfig(max_rolling_batch_size=4, max_num_batched_tokens=120),
+                      attention_tokens=100)
+    _running(sched, _job("r", 4, first=900))
+    long = _job("long", 1000)
+    sched.submit(long)
+    sizes = []
+    plan = sched.schedule()
+    while plan.chunks:
+        c = plan.chunks[0]
+        sizes.append(c.tokens)
+        assert sched.chunk_cost(c.start, c.tokens) <= 119 or c.tokens == 1
+        if c.stop < 1000:  # the largest chunk that fits
+            assert sched.chunk_cost(c.start, c.tokens + 1) > 119
+        _run(plan)
+        plan = sched.schedule()
+    assert sum(sizes) == 1000
+    assert sizes[0] > 3 * sizes[-1]  # later chunks attend to more context: they are shorter
 
 
 def test_decode_rows_are_never_skipped_and_prompts_share_the_rest():
     sched = Scheduler(EngineConfig(max_rolling_batch_size=8, max_num_batched_tokens=20))
-    short = [_job(f"s{i}", 3) for i in range(6)]
+    short = [_job(f"s{i}", 3, first=100 * i) for i in range(6)]
     for j in short:
         sched.submit(j)
-    _run(sched.schedule())  # 6 × 3 tokens fit one step
+    _run(sched.schedule())  # nothing decodes yet: the six prompts go in one step
     long = _job("long", 50)
     sched.submit(long)
     plan = sched.schedule()
@@ -205,6 +265,7 @@ def test_decode_rows_are_never_skipped_and_prompts_share_the_rest():
 
 def test_abort_of_a_prompt_mid_prefill():
     sched = Scheduler(EngineConfig(max_rolling_batch_size=4, max_num_batched_tokens=16))
+    _running(sched, _job("r", 3, first=900))
     a, b = _job("a", 64), _job("b", 8, first=200)
     sched.submit(a)
     sched.submit(b)
@@ -213,7 +274,7 @@ def test_abort_of_a_prompt_mid_prefill():
     plan = sched.schedule()
     assert [j.job_id for j in plan.aborted] == ["a"] and a not in sched.prefilling
     assert _chunks(plan) == [("b", 0, 8)]  # b takes the budget a left
-    assert sched.slots_taken() == 1
+    assert sched.slots_taken() == 2
 
 
 def test_admission_starts_from_the_cached_prefix():
