@@ -5,8 +5,8 @@
 
 Starts seqgate on a free loopback port and opens `--streams` greedy chat streams of ShareGPT
 first turns (prompts of 16-256 tokens, `--stream-tokens` new tokens each, EOS ignored so that
-every stream is still running when the long prompts come, special tokens rendered so that every
-token is a content event). Once every stream is decoding,
+every stream is still running when the long prompts come; timed by their logprobs events, so that
+a token whose text is held back still counts). Once every stream is decoding,
 `--long` completions prompts of `--long-min`…`--long-max` tokens (cut from ShareGPT user text,
 no two sharing a head) arrive evenly spread over `--arrival-seconds`, each asking for 16 tokens.
 
@@ -59,15 +59,17 @@ def workload(tokenizer, streams: int, long: int, lo: int, hi: int, seed: int
 
 async def _stream(client: httpx.AsyncClient, messages: list[dict], trace: StreamTrace,
                   max_tokens: int) -> None:
-    # Special tokens are rendered: past an ignored EOS the model may emit more of them, and a
-    # token without text would send no content event and read as a gap.
+    # Timed by logprobs, not text: a token without text yet (an incomplete character) still
+    # sends its logprob, so a gap is a gap between tokens.
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "skip_special_tokens": False, "stream": True}
+            "ignore_eos": True, "logprobs": True, "stream": True}
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
-                trace.times.append(time.perf_counter())
+            if line.startswith("data: {") and '"logprobs":{' in line:
+                choices = json.loads(line[6:])["choices"]
+                if choices and (choices[0].get("logprobs") or {}).get("content"):
+                    trace.times.append(time.perf_counter())
 
 
 async def _long(client: httpx.AsyncClient, ids: list[int]) -> dict:

@@ -255,17 +255,21 @@ def build_sub_batch(seqs: list[Sequence], sources: list[tuple[SubBatch, int] | R
     like = proto.keys[0] if proto is not None else next(iter(moved)).cache.layers[0].kbuf
     layers = []
     for li, (kbuf, vbuf) in enumerate(new_slabs(like, shapes)):
-        # Padding must hold finite values (masked scores still multiply V); zero the used window.
-        kbuf[: len(seqs), :, :width].zero_()
-        vbuf[: len(seqs), :, :width].zero_()
+        # Padding must hold finite values (masked scores still multiply V): each row's columns
+        # before what is copied into it are zeroed (not the whole window: a second pass over
+        # hundreds of MiB when long rows regroup).
         for sb, (dsts, picked) in moved.items():
             w = min(sb.width, width)
             src = sb.cache.layers[li]
             idx = torch.tensor(picked, device=kbuf.device)
             at = torch.tensor(dsts, device=kbuf.device)
+            kbuf[at, :, : width - w] = 0
+            vbuf[at, :, : width - w] = 0
             kbuf[at, :, width - w : width] = src.kbuf[idx, :, src.end - w : src.end]
             vbuf[at, :, width - w : width] = src.vbuf[idx, :, src.end - w : src.end]
         for dst, row in fresh:
+            kbuf[dst, :, : width - row.length].zero_()
+            vbuf[dst, :, : width - row.length].zero_()
             kbuf[dst, :, width - row.length : width] = row.keys[li]
             vbuf[dst, :, width - row.length : width] = row.values[li]
         layers.append(SlabLayer(kbuf, vbuf, width, rows=len(seqs)))
