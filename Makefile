@@ -19,13 +19,19 @@ openapi-check:
 
 # Serving benchmark: seqgate vs transformers serve (with and without continuous batching), the
 # prompt-cache and splitting scenarios, greedy agreement; writes bench/results/serving.json and
-# docs/benchmarks.md (+ docs/benchmarks/*.png). About 50 minutes on 2 cores. The peer without
+# docs/benchmarks.md (+ docs/benchmarks/*.png), after the scheduler scenarios (bench.stall: long
+# prompts arriving while streams decode; bench.multiturn: the radix prefix cache on three-turn
+# chats; their reports go to docs/benchmarks/*.md and into docs/benchmarks.md). About an hour on
+# 2 cores. The peer without
 # continuous batching serves one request at a time, so its concurrency 32 and 64 cells are
 # skipped by default (they would only queue, for another half hour).
 # BENCH_ARGS=--quick for a smoke run (a few minutes, report in bench/results/quick/).
 BENCH_ARGS ?= --skip tf-serve@32 --skip tf-serve@64
 bench:
 	bash scripts/install.sh dev,bench
+	case "$(BENCH_ARGS)" in *--quick*) ;; *) \
+	  $(PYTHON) -m bench.stall --doc docs/benchmarks/stall.md && \
+	  $(PYTHON) -m bench.multiturn --doc docs/benchmarks/multiturn.md ;; esac
 	$(PYTHON) -m bench.serving $(BENCH_ARGS)
 	case "$(BENCH_ARGS)" in *--quick*) ;; *) cp bench/results/serving.json docs/benchmarks/ ;; esac
 

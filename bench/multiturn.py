@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-turn-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", type=Path, default=Path("bench/results/multiturn.json"))
+    ap.add_argument("--doc", type=Path, default=None, help="also write the report (markdown)")
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -185,7 +186,16 @@ def main(argv: list[str] | None = None) -> None:
             "runs": [{"label": r.label, "repeat": r.repeat, "wall_seconds": r.wall_seconds,
                       "turns": [vars(t) for t in r.turns]} for r in runs]}
     args.out.write_text(json.dumps(data, indent=1) + "\n")
-    print(report(summary, on.label, off.label))
+    text = report(summary, on.label, off.label)
+    print(text)
+    if args.doc is not None:
+        meta = data["meta"]
+        args.doc.parent.mkdir(parents=True, exist_ok=True)
+        args.doc.write_text(
+            f"### Multi-turn conversations, radix prefix cache on and off "
+            f"(`{meta['command']}`)\n\n{args.conversations} three-turn ShareGPT conversations, "
+            f"{args.concurrency} at once, at most {args.max_tokens} tokens per answer; "
+            f"{meta['machine']}, {meta['finished']}.\n\n{text}\n")
     print(f"wrote {args.out}")
 
 

@@ -313,7 +313,17 @@ def render(data: dict, doc: Path) -> str:
         failures = ["## Runs that failed", "", *failures, ""]
     return "\n".join(head + targets_section(ratios, speedup, split) + sweep_lines + cache_lines
                      + split_lines + agreement_section(data["agreement"]) + failures
-                     + ["## Notes on the peer", "", PEER_NOTES])
+                     + scheduler_section(doc) + ["## Notes on the peer", "", PEER_NOTES])
+
+
+SCENARIOS = ("stall.md", "multiturn.md")  # written beside the plots by bench.stall, .multiturn
+
+
+def scheduler_section(doc: Path) -> list[str]:
+    """The scheduler scenarios' reports (`make bench` runs them before this report)."""
+    parts = [(doc.parent / "benchmarks" / name) for name in SCENARIOS]
+    parts = [p.read_text().strip() for p in parts if p.exists()]
+    return ["## Scheduler scenarios (issue 10)", "", *parts, ""] if parts else []
 
 
 def _first_last(text: str) -> str:

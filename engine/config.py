@@ -63,7 +63,7 @@ class EngineConfig:
     prompt_cache_min_tokens: int = 16
     # Tokens one step computes: every running row's decode token, then prompt chunks in what is
     # left (stall-free chunked prefill). Must exceed max_rolling_batch_size.
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 256
     # Context tokens whose attention costs as much as one token's linear layers, for charging
     # a prompt chunk's attention to the budget; 0 derives it from the model (ModelRunner).
     chunk_attention_tokens: int = 0
