@@ -167,9 +167,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("fuse_sub_batches", "engine", _bool, ("option.fuse_sub_batches",),
            "--fuse-sub-batches",
            "one forward for all sub-batches, attention split per sub-batch (true | false)"),
-    Option("max_num_batched_tokens", "engine", _int(2), ("option.max_num_batched_tokens",),
+    Option("max_num_batched_tokens", "engine", _int(0), ("option.max_num_batched_tokens",),
            "--max-num-batched-tokens",
-           "tokens per engine step: every running row's next token, then prompt chunks"),
+           "tokens per engine step: every running row's next token, then prompt chunks "
+           "(0: 256, or twice max_rolling_batch_size when larger)"),
     Option("chunk_attention_tokens", "engine", _int(0), ("option.chunk_attention_tokens",),
            "--chunk-attention-tokens",
            "context tokens whose attention a prompt chunk is charged one token for "

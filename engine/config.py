@@ -62,8 +62,8 @@ class EngineConfig:
     # Smallest prefix (tokens) worth caching.
     prompt_cache_min_tokens: int = 16
     # Tokens one step computes: every running row's decode token, then prompt chunks in what is
-    # left (stall-free chunked prefill). Must exceed max_rolling_batch_size.
-    max_num_batched_tokens: int = 256
+    # left (stall-free chunked prefill). Must exceed max_rolling_batch_size; 0: `token_budget`.
+    max_num_batched_tokens: int = 0
     # Context tokens whose attention costs as much as one token's linear layers, for charging
     # a prompt chunk's attention to the budget; 0 derives it from the model (ModelRunner).
     chunk_attention_tokens: int = 0
@@ -88,7 +88,8 @@ class EngineConfig:
             raise ConfigError("max_splits", self.max_splits, ">= 1")
         if self.prompt_cache_bytes < 0:
             raise ConfigError("prompt_cache_bytes", self.prompt_cache_bytes, ">= 0")
-        if self.max_num_batched_tokens <= self.max_rolling_batch_size:
+        if self.max_num_batched_tokens and \
+                self.max_num_batched_tokens <= self.max_rolling_batch_size:
             raise ConfigError("max_num_batched_tokens", self.max_num_batched_tokens,
                               f"more than max_rolling_batch_size ({self.max_rolling_batch_size}),"
                               " so that prompts progress while the batch decodes")
@@ -101,6 +102,13 @@ class EngineConfig:
             raise ConfigError("max_model_len", self.max_model_len, ">= 0 (0 = the model's)")
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError("device", self.device, "auto, cpu, cuda or cuda:N")
+
+    @property
+    def token_budget(self) -> int:
+        """A step's token budget: `max_num_batched_tokens`, by default 256 (measured on the
+        ShareGPT sweep and the stall scenario, docs/benchmarks.md) or twice the batch when
+        that is larger, so that prompts always get part of a full batch's step."""
+        return self.max_num_batched_tokens or max(256, 2 * self.max_rolling_batch_size)
 
     @property
     def threads(self) -> int:

@@ -123,8 +123,8 @@ class Scheduler:
 
         # With no row decoding there is nothing to stall: prompts go in larger steps (fewer
         # passes over the weights), bounded for the activations' memory.
-        budget = (self.config.max_num_batched_tokens - plan.decode_rows if plan.decode_rows
-                  else max(self.config.max_num_batched_tokens, ALONE_TOKENS))
+        budget = (self.config.token_budget - plan.decode_rows if plan.decode_rows
+                  else max(self.config.token_budget, ALONE_TOKENS))
         for job in self.prefilling:  # prompts under way first, oldest first
             if budget <= 0:
                 break

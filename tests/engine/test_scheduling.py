@@ -350,3 +350,14 @@ def test_stop_while_a_step_runs_leaves_the_jobs_to_the_engine_thread(tiny_model,
     for h in handles:
         deltas = list(h.iter_sync(timeout=10))
         assert [d.finish_reason for d in deltas if d.finished] == ["abort"]
+
+
+def test_token_budget_defaults_and_limits():
+    from engine.config import ConfigError
+
+    assert EngineConfig().token_budget == 256
+    assert EngineConfig(max_rolling_batch_size=256).token_budget == 512  # a full batch leaves room
+    assert EngineConfig(max_num_batched_tokens=100).token_budget == 100
+    with pytest.raises(ConfigError) as err:
+        EngineConfig(max_rolling_batch_size=64, max_num_batched_tokens=64)
+    assert "max_num_batched_tokens" in str(err.value)
