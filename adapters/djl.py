@@ -12,13 +12,13 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
-from adapters.errors import ApiError
+from adapters.errors import DJL_NAMES, ApiError, from_engine_error
 from adapters.limits import MAX_PROMPTS
 from adapters.openai_params import JobSpec, check_token_limit, stop_list
 from adapters.openai_types import convert, decode_request
 from adapters.prompt_size import encode_bounded
 from adapters.token_text import TokenText
-from engine import ContextLengthExceeded, InvalidParams, JobDelta, SamplingParams
+from engine import InvalidParams, JobDelta, SamplingParams, check_context
 from engine.config import STRATEGIES
 
 log = logging.getLogger("seqgate.adapters.djl")
@@ -123,8 +123,7 @@ def djl_params(opts: DjlOptions) -> SamplingParams:
     try:
         params.validate()
     except InvalidParams as exc:
-        name = "max_new_tokens" if exc.param == "max_tokens" else exc.param
-        raise ApiError.bad_request(str(exc), param=f"parameters.{name}") from None
+        raise from_engine_error(exc, DJL_NAMES) from None
     return params
 
 
@@ -147,9 +146,10 @@ def build_djl_jobs(req: DjlRequest, opts: DjlOptions, tokenizer, max_model_len: 
         if not ids:
             raise ApiError.bad_request("inputs must not be empty", param="inputs")
         params = djl_params(opts)
-        if len(ids) + params.max_new_tokens > max_model_len:
-            exc = ContextLengthExceeded(len(ids), params.max_new_tokens, max_model_len, "inputs")
-            raise ApiError(400, str(exc), "context_length_exceeded", "inputs")
+        try:
+            check_context(len(ids), params.max_new_tokens, max_model_len)
+        except InvalidParams as exc:
+            raise from_engine_error(exc, DJL_NAMES) from None
         jobs.append(JobSpec(ids, params))
     return jobs
 

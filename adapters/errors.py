@@ -8,6 +8,7 @@ context length" in the message. Headers tell the SDK whether a retry can help: `
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine import ContextLengthExceeded, EngineStopped, InvalidParams, QueueFull
@@ -70,12 +71,32 @@ class ApiError(Exception):
                    "model_not_found", "model")
 
 
-def from_engine_error(exc: Exception) -> ApiError:
-    """Translate an exception raised by `Engine.submit` into the API error it means."""
-    if isinstance(exc, ContextLengthExceeded):
-        return ApiError(400, str(exc), "context_length_exceeded", exc.param)
+@dataclass(frozen=True)
+class ParamNames:
+    """How a protocol names the engine's parameters: `renamed` where it differs, else the
+    engine's name behind `prefix`."""
+
+    renamed: Mapping[str, str]
+    prefix: str = ""
+
+    def __call__(self, engine_name: str) -> str:
+        return self.renamed.get(engine_name) or self.prefix + engine_name
+
+
+_OPENAI_TOKENS = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+CHAT_NAMES = ParamNames({**_OPENAI_TOKENS, "prompt": "messages"})
+COMPLETION_NAMES = ParamNames(_OPENAI_TOKENS)
+DJL_NAMES = ParamNames({"prompt": "inputs"}, prefix="parameters.")
+
+
+def from_engine_error(exc: Exception, names: ParamNames) -> ApiError:
+    """Translate an engine exception (from `SamplingParams.validate`, `check_context` or
+    `Engine.submit`) into the API error it means, the parameter named as `names` says."""
     if isinstance(exc, InvalidParams):
-        return ApiError(400, str(exc), "invalid_value", exc.param)
+        param = names(exc.param)
+        code = "context_length_exceeded" if isinstance(exc, ContextLengthExceeded) \
+            else "invalid_value"
+        return ApiError(400, exc.message_for(param), code, param)
     if isinstance(exc, QueueFull):
         return ApiError(429, f"The server is at capacity: {exc}.", "rate_limit_exceeded",
                         headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER)})

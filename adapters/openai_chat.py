@@ -3,7 +3,7 @@ engine deltas → a response or stream chunks."""
 
 from __future__ import annotations
 
-from adapters.errors import ApiError
+from adapters.errors import CHAT_NAMES, ApiError
 from adapters.limits import MAX_CONTENT_PARTS, MAX_MESSAGES
 from adapters.openai_params import (
     JobSpec,
@@ -129,7 +129,7 @@ def build_chat_job(req: ChatCompletionRequest, tokenizer, max_model_len: int,
         requested, param = req.max_tokens, "max_tokens"
     budget = max_tokens_for(requested, len(prompt_ids), max_model_len, param, "messages",
                             max_tokens_limit)
-    params = sampling_params(req, max_tokens=budget, logprobs=bool(req.logprobs),
+    params = sampling_params(req, CHAT_NAMES, max_tokens=budget, logprobs=bool(req.logprobs),
                              top_logprobs=req.top_logprobs or 0)
     return JobSpec(prompt_ids, params)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from adapters.errors import ApiError
+from adapters.errors import COMPLETION_NAMES, ApiError
 from adapters.limits import MAX_CHOICES, MAX_PROMPTS
 from adapters.openai_params import (
     JobSpec,
@@ -103,7 +103,8 @@ def build_completion_jobs(req: CompletionRequest, tokenizer, max_model_len: int,
     for p in prompts:
         budget = max_tokens_for(requested, len(p.ids), max_model_len, "max_tokens", "prompt",
                                 max_tokens_limit)
-        params = sampling_params(req, max_tokens=budget, logprobs=req.logprobs is not None,
+        params = sampling_params(req, COMPLETION_NAMES, max_tokens=budget,
+                                 logprobs=req.logprobs is not None,
                                  top_logprobs=req.logprobs or 0)
         jobs.append(JobSpec(p.ids, params))
     return jobs, prompts

@@ -10,9 +10,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from adapters.errors import ApiError
+from adapters.errors import ApiError, ParamNames, from_engine_error
 from adapters.openai_types import SamplingFields
-from engine import ContextLengthExceeded, InvalidParams, SamplingParams
+from engine import InvalidParams, SamplingParams, check_context
 from engine.config import STRATEGIES
 from engine.sampling_params import MAX_LOGIT_BIAS
 
@@ -83,8 +83,8 @@ def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
-def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: bool = False,
-                    top_logprobs: int = 0) -> SamplingParams:
+def sampling_params(req: SamplingFields, names: ParamNames, *, max_tokens: int,
+                    logprobs: bool = False, top_logprobs: int = 0) -> SamplingParams:
     """Build and validate the engine parameters; raises ApiError(400) naming the parameter."""
     if req.stream_options is not None and not req.stream:
         raise ApiError.bad_request("stream_options is only allowed with stream=true",
@@ -109,13 +109,14 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: bool = Fa
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
+        priority=req.priority or 0,
     )
     if req.penalty_alpha is not None:
         params.penalty_alpha = req.penalty_alpha
     try:
         params.validate()
     except InvalidParams as exc:
-        raise ApiError.bad_request(str(exc), param=exc.param) from None
+        raise from_engine_error(exc, names) from None
     return params
 
 
@@ -133,9 +134,10 @@ def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int,
     budget = requested if requested is not None else max(max_model_len - prompt_len, 1)
     if limit:
         budget = min(budget, limit)
-    if prompt_len + budget > max_model_len:
-        exc = ContextLengthExceeded(prompt_len, budget, max_model_len, prompt_param)
-        raise ApiError(400, str(exc), "context_length_exceeded", prompt_param)
+    try:
+        check_context(prompt_len, budget, max_model_len)
+    except InvalidParams as exc:
+        raise from_engine_error(exc, ParamNames({"prompt": prompt_param})) from None
     return budget
 
 

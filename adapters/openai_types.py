@@ -72,6 +72,7 @@ class SamplingFields(Struct, kw_only=True):
     penalty_alpha: float | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    priority: int | None = None  # vLLM's: lower goes first (--scheduling-policy priority)
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):

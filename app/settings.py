@@ -162,6 +162,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_splits", "engine", _int(1), ("option.max_splits",), "--max-splits"),
     Option("decoding_strategy", "engine", _choice("greedy", "sample", "contrastive"),
            ("option.decoding_strategy",), "--decoding-strategy", "greedy | sample | contrastive"),
+    Option("scheduling_policy", "engine", _choice("fifo", "priority", "shortest"),
+           ("option.scheduling_policy",), "--scheduling-policy",
+           "admission order: fifo | priority (the request's priority, lower first) | shortest "
+           "(prompt first); a job waiting --scheduling-age-limit seconds goes first"),
+    Option("scheduling_age_limit", "engine", _float(0.001), ("option.scheduling_age_limit",),
+           "--scheduling-age-limit"),
     Option("prompt_cache_bytes", "engine", _int(0), ("option.prompt_cache_bytes",),
            "--prompt-cache-bytes"),
     Option("fuse_sub_batches", "engine", _bool, ("option.fuse_sub_batches",),

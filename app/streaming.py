@@ -26,6 +26,7 @@ from litestar.response.sse import ServerSentEventMessage
 
 from adapters.errors import (
     ApiError,
+    ParamNames,
     from_engine_error,
     generation_error,
     request_timeout_error,
@@ -41,7 +42,7 @@ _DONE = object()
 P = TypeVar("P")
 
 
-def submit_all(engine: Engine, specs: list[JobSpec], prompt_param: str) -> list[JobHandle]:
+def submit_all(engine: Engine, specs: list[JobSpec], names: ParamNames) -> list[JobHandle]:
     """Submit every job or none: if one is refused, the ones already queued are aborted."""
     handles: list[JobHandle] = []
     try:
@@ -50,16 +51,14 @@ def submit_all(engine: Engine, specs: list[JobSpec], prompt_param: str) -> list[
     except Exception as exc:
         for h in handles:
             engine.abort(h.job_id)
-        err = from_engine_error(exc)
-        if err.code == "context_length_exceeded":
-            err.param = prompt_param
+        err = from_engine_error(exc, names)
         if err.status >= 500:
             log.exception("submit failed")
         raise err from None
     return handles
 
 
-async def open_request(gw: GatewayState, request: Request, route: str, prompt_param: str,
+async def open_request(gw: GatewayState, request: Request, route: str, names: ParamNames,
                        prepare: Callable[[Engine, bytes], tuple[P, list[JobSpec]]],
                        ) -> tuple[P, JobStream]:
     """Admit a request and start its jobs: readiness, the API key's open-request cap, the body,
@@ -72,7 +71,7 @@ async def open_request(gw: GatewayState, request: Request, route: str, prompt_pa
     try:
         body = await request.body()
         prepared, specs = await gw.off_loop(prepare, engine, body)
-        handles = submit_all(engine, specs, prompt_param)
+        handles = submit_all(engine, specs, names)
     except BaseException:
         release()
         raise

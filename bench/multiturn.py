@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
             f"### Multi-turn conversations, radix prefix cache on and off "
             f"(`{meta['command']}`)\n\n{args.conversations} three-turn ShareGPT conversations, "
             f"{args.concurrency} at once, at most {args.max_tokens} tokens per answer; "
-            f"{meta['machine']}, {meta['finished']}.\n\n{text}\n")
+            f"{meta['machine'].get('cpu')}, {meta['machine'].get('cores_available')} cores, "
+            f"{meta['finished']}.\n\n{text}\n")
     print(f"wrote {args.out}")
 
 

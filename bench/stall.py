@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -185,7 +186,9 @@ def main(argv: list[str] | None = None) -> None:
                                  args.long_max, args.seed)
     configs: list[tuple[str, Path | None, list[str]]] = []
     if args.checkout is not None:
-        configs.append(("checkout", args.checkout, []))
+        commit = subprocess.run(["git", "-C", str(args.checkout), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True).stdout.strip() or "?"
+        configs.append((f"commit {commit}", args.checkout, []))
     for b in [int(x) for x in args.budgets.split(",") if x.strip()]:
         configs.append((f"budget {b}", None, ["--max-num-batched-tokens", str(b)]))
     runs = []
@@ -219,11 +222,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def doc_section(data: dict, table: str) -> str:
     meta = data["meta"]
-    a = meta["args"]
-    return (f"### Long prompts arriving while streams decode (`{meta['command']}`)\n\n"
-            f"{a['streams']} streams, {a['long']} prompts of {a['long_min']}-{a['long_max']} "
-            f"tokens over {a['arrival_seconds']} s; {meta['machine']}, {meta['finished']}.\n\n"
-            f"{table}\n")
+    a, m = meta["args"], meta["machine"]
+    command = meta["command"]
+    if a.get("checkout"):
+        command = command.replace(a["checkout"], "DIR")  # no local paths in the docs
+    return (f"### Long prompts arriving while streams decode\n\n`{command}`: {a['streams']} "
+            f"streams, {a['long']} prompts of {a['long_min']}-{a['long_max']} tokens over "
+            f"{a['arrival_seconds']} s. {m.get('cpu')}, {m.get('cores_available')} cores, "
+            f"{meta['finished']}.\n\n{table}\n")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,21 @@
 """seq-scheduler: rolling batching with max-sparsity splitting and a radix prefix KV cache."""
 
 from engine.config import ConfigError, EngineConfig
-from engine.engine import ContextLengthExceeded, Engine, EngineStats, EngineStopped, JobHandle
+from engine.engine import Engine, EngineStats, EngineStopped, JobHandle
 from engine.loader import LoadedModel, ModelLoadError, load_model
 from engine.outputs import JobDelta, StepStats, TokenLogprob
 from engine.queue import QueueFull
-from engine.sampling_params import InvalidParams, SamplingParams
+from engine.sampling_params import (
+    ContextLengthExceeded,
+    InvalidParams,
+    SamplingParams,
+    check_context,
+)
 
 __all__ = [
     "ConfigError",
     "ContextLengthExceeded",
+    "check_context",
     "Engine",
     "EngineConfig",
     "EngineStats",

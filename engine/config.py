@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 STRATEGIES = ("greedy", "sample", "contrastive")
+POLICIES = ("fifo", "priority", "shortest")
 DTYPES = ("auto", "fp32", "fp16", "bf16")
 
 
@@ -64,6 +65,10 @@ class EngineConfig:
     # Tokens one step computes: every running row's decode token, then prompt chunks in what is
     # left (stall-free chunked prefill). Must exceed max_rolling_batch_size; 0: `token_budget`.
     max_num_batched_tokens: int = 0
+    # Admission order: fifo; priority (the request's `priority`, lower first); shortest (prompt
+    # first). Under the last two a job waiting `scheduling_age_limit` seconds goes first.
+    scheduling_policy: str = "fifo"
+    scheduling_age_limit: float = 10.0
     # Context tokens whose attention costs as much as one token's linear layers, for charging
     # a prompt chunk's attention to the budget; 0 derives it from the model (ModelRunner).
     chunk_attention_tokens: int = 0
@@ -78,6 +83,10 @@ class EngineConfig:
             raise ConfigError("dtype", self.dtype, f"one of {DTYPES}")
         if self.decoding_strategy not in STRATEGIES:
             raise ConfigError("decoding_strategy", self.decoding_strategy, f"one of {STRATEGIES}")
+        if self.scheduling_policy not in POLICIES:
+            raise ConfigError("scheduling_policy", self.scheduling_policy, f"one of {POLICIES}")
+        if not self.scheduling_age_limit > 0:
+            raise ConfigError("scheduling_age_limit", self.scheduling_age_limit, "> 0 seconds")
         if self.max_rolling_batch_size < 1:
             raise ConfigError("max_rolling_batch_size", self.max_rolling_batch_size, ">= 1")
         if self.job_queue_size < 0:

@@ -23,29 +23,13 @@ from engine.loader import LoadedModel, load_model
 from engine.outputs import JobDelta, StepStats
 from engine.radix_cache import PrefixEntry, RadixPrefixCache
 from engine.runner import Chunk, ModelRunner
-from engine.sampling_params import InvalidParams, SamplingParams
+from engine.sampling_params import InvalidParams, SamplingParams, check_context
 from engine.scheduler import PrefillChunk, Scheduler, StepPlan
 
 log = logging.getLogger("seqgate.engine")
 
 _END = None  # end-of-stream marker on a handle's queue
 _STOP_JOIN_SECONDS = 30  # how long stop() waits for a step in progress
-
-
-class ContextLengthExceeded(InvalidParams):
-    """Prompt plus requested tokens do not fit the model's context."""
-
-    def __init__(
-        self, prompt_tokens: int, max_new_tokens: int, limit: int, param: str = "messages"
-    ):
-        self.prompt_tokens, self.max_new_tokens, self.limit = prompt_tokens, max_new_tokens, limit
-        super().__init__(
-            param,
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{prompt_tokens + max_new_tokens} tokens ({prompt_tokens} in the prompt, "
-            f"{max_new_tokens} for the completion). Please reduce the prompt or the completion "
-            f"length. (context_length_exceeded)",
-        )
 
 
 class EngineStopped(RuntimeError):
@@ -201,11 +185,12 @@ class Engine:
         ContextLengthExceeded or EngineStopped."""
         params.validate()
         if not prompt_ids:
-            raise InvalidParams("prompt", "the prompt is empty")
+            raise InvalidParams("prompt", "{param} must not be empty")
         if params.n > self.config.max_rolling_batch_size:
             raise InvalidParams(
                 "n",
-                f"n={params.n} exceeds max_rolling_batch_size={self.config.max_rolling_batch_size}",
+                f"{{param}}={params.n} exceeds max_rolling_batch_size="
+                f"{self.config.max_rolling_batch_size}",
             )
         vocab = self.runner.vocab_size
         for param, ids in (
@@ -214,12 +199,12 @@ class Engine:
             ("logit_bias", params.logit_bias),
         ):
             if (bad := next((t for t in ids if not 0 <= t < vocab), None)) is not None:
-                raise InvalidParams(param, f"token id {bad} is outside the vocabulary [0, {vocab})")
+                raise InvalidParams(param, f"{{param}} has token id {bad}, outside the vocabulary "
+                                           f"[0, {vocab})")
         strategy = params.resolved_strategy(self.config.decoding_strategy)
         if strategy == "contrastive":
             params.check_contrastive()
-        if len(prompt_ids) + params.max_new_tokens > self.max_model_len:
-            raise ContextLengthExceeded(len(prompt_ids), params.max_new_tokens, self.max_model_len)
+        check_context(len(prompt_ids), params.max_new_tokens, self.max_model_len)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +117,7 @@ class Job:
     seqs: list[Sequence] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     closed: bool = False
+    arrival: float = field(default_factory=time.monotonic)
     # Prefill progress: prompt positions whose KV exists (the cached prefix, then each chunk).
     computed: int = 0
     prefix: PrefixEntry | None = None  # the cached prefix matched at admission, until used

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -19,10 +20,16 @@ class QueueFull(RuntimeError):
 
 
 class JobQueue:
-    """FIFO of waiting jobs, bounded at `limit`; safe to push from any thread."""
+    """Waiting jobs in arrival order, bounded at `limit`; safe to push from any thread.
 
-    def __init__(self, limit: int):
+    `peek` names the job to admit next: the oldest (policy "fifo"), or the one with the lowest
+    `priority` or the shortest prompt (ties: the oldest), except that a job waiting `age_limit`
+    seconds or more goes first: no job starves behind a stream of preferred ones.
+    """
+
+    def __init__(self, limit: int, policy: str = "fifo", age_limit: float = 10.0):
         self.limit = limit
+        self.policy, self.age_limit = policy, age_limit
         self._jobs: deque[Job] = deque()
         self._lock = threading.Lock()
 
@@ -38,7 +45,14 @@ class JobQueue:
 
     def peek(self) -> Job | None:
         with self._lock:
-            return self._jobs[0] if self._jobs else None
+            if not self._jobs:
+                return None
+            oldest = self._jobs[0]
+            if self.policy == "fifo" or time.monotonic() - oldest.arrival >= self.age_limit:
+                return oldest
+            if self.policy == "priority":
+                return min(self._jobs, key=lambda j: j.params.priority)
+            return min(self._jobs, key=lambda j: len(j.prompt_ids))
 
     def pop(self) -> Job:
         with self._lock:

@@ -11,6 +11,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # per stop string
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024  # entries
+PRIORITY_LIMIT = 2**31 - 1
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_CONTRASTIVE_TOP_K = 16  # each candidate is one more row in the look-ahead forward
@@ -19,11 +20,39 @@ SEED_RANGE = (-(2**63), 2**63 - 1)  # int64, as OpenAI documents it
 
 
 class InvalidParams(ValueError):
-    """A sampling parameter is out of range. `param` names it, as the API spells it."""
+    """A job parameter is out of range. `param` is the engine's name for it (`max_new_tokens`,
+    `prompt`, ...); `message` may say `{param}` where the name goes (once, before anything the
+    client sent), so that an adapter can speak its protocol's name instead (`message_for`)."""
 
     def __init__(self, param: str, message: str):
         self.param = param
-        super().__init__(message)
+        self.template = message
+        super().__init__(self.message_for(param))
+
+    def message_for(self, name: str) -> str:
+        # Not str.format, and the first `{param}` only: the message may quote what the client
+        # sent, braces included, after the name.
+        return self.template.replace("{param}", name, 1)
+
+
+class ContextLengthExceeded(InvalidParams):
+    """Prompt plus requested tokens do not fit the model's context (`param` is the prompt)."""
+
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, limit: int):
+        self.prompt_tokens, self.max_new_tokens, self.limit = prompt_tokens, max_new_tokens, limit
+        super().__init__(
+            "prompt",
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_tokens + max_new_tokens} tokens ({prompt_tokens} in the prompt, "
+            f"{max_new_tokens} for the completion). Please reduce the prompt or the completion "
+            f"length. (context_length_exceeded)",
+        )
+
+
+def check_context(prompt_tokens: int, max_new_tokens: int, limit: int) -> None:
+    """Raise ContextLengthExceeded when a prompt and its new tokens do not fit `limit`."""
+    if prompt_tokens + max_new_tokens > limit:
+        raise ContextLengthExceeded(prompt_tokens, max_new_tokens, limit)
 
 
 @dataclass
@@ -50,6 +79,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    priority: int = 0  # lower is admitted first under the "priority" scheduling policy
 
     def validate(self) -> None:
         """Raise InvalidParams naming the first parameter out of range."""
@@ -57,50 +87,56 @@ class SamplingParams:
         if self.strategy is not None and self.strategy not in STRATEGIES:
             raise InvalidParams(
                 "decoding_strategy",
-                f"decoding_strategy must be one of {STRATEGIES}, got {self.strategy!r}",
+                f"{{param}} must be one of {STRATEGIES}, got {self.strategy!r}",
             )
         if not 0.0 <= self.temperature <= 2.0:
             raise InvalidParams(
-                "temperature", f"temperature must be in [0, 2], got {self.temperature}"
+                "temperature", f"{{param}} must be in [0, 2], got {self.temperature}"
             )
         if not 0.0 < self.top_p <= 1.0:
-            raise InvalidParams("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidParams("top_p", f"{{param}} must be in (0, 1], got {self.top_p}")
         if not 0 <= self.top_k <= MAX_TOP_K:
-            raise InvalidParams("top_k", f"top_k must be in [0, {MAX_TOP_K}], got {self.top_k}")
+            raise InvalidParams("top_k", f"{{param}} must be in [0, {MAX_TOP_K}], got {self.top_k}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
-            raise InvalidParams("seed", f"seed must be a 64-bit signed integer, got {self.seed}")
+            raise InvalidParams("seed",
+                                f"{{param}} must be a 64-bit signed integer, got {self.seed}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidParams("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidParams("min_p", f"{{param}} must be in [0, 1], got {self.min_p}")
         if not 0.0 <= self.penalty_alpha <= 1.0:
             raise InvalidParams(
-                "penalty_alpha", f"penalty_alpha must be in [0, 1], got {self.penalty_alpha}"
+                "penalty_alpha", f"{{param}} must be in [0, 1], got {self.penalty_alpha}"
             )
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:
-                raise InvalidParams(name, f"{name} must be in [-2, 2], got {v}")
+                raise InvalidParams(name, f"{{param}} must be in [-2, 2], got {v}")
         if self.repetition_penalty <= 0.0:
             raise InvalidParams(
                 "repetition_penalty",
-                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+                f"{{param}} must be > 0, got {self.repetition_penalty}",
             )
         for tok, bias in self.logit_bias.items():
             if not -100.0 <= bias <= 100.0:
                 raise InvalidParams(
-                    "logit_bias", f"logit_bias for token {tok} must be in [-100, 100], got {bias}"
+                    "logit_bias", f"{{param}} for token {tok} must be in [-100, 100], got {bias}"
                 )
         if self.max_new_tokens < 1:
-            raise InvalidParams("max_tokens", f"max_tokens must be >= 1, got {self.max_new_tokens}")
+            raise InvalidParams("max_new_tokens",
+                                f"{{param}} must be >= 1, got {self.max_new_tokens}")
         if self.min_new_tokens < 0 or self.min_new_tokens > self.max_new_tokens:
             raise InvalidParams(
-                "min_tokens", f"min_tokens must be in [0, max_tokens], got {self.min_new_tokens}"
+                "min_new_tokens",
+                f"{{param}} must be in [0, the maximum new tokens], got {self.min_new_tokens}",
             )
+        if not -PRIORITY_LIMIT <= self.priority <= PRIORITY_LIMIT:
+            raise InvalidParams("priority", f"{{param}} must be in [-{PRIORITY_LIMIT}, "
+                                f"{PRIORITY_LIMIT}], got {self.priority}")
         if not 1 <= self.n <= MAX_N:
-            raise InvalidParams("n", f"n must be in [1, {MAX_N}], got {self.n}")
+            raise InvalidParams("n", f"{{param}} must be in [1, {MAX_N}], got {self.n}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidParams(
                 "top_logprobs",
-                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
+                f"{{param}} must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
             )
         if self.strategy == "contrastive":
             self.check_contrastive()
@@ -109,25 +145,25 @@ class SamplingParams:
         """Lists and maps the client sizes: bounded, so no request can hog the engine."""
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidParams(
-                "stop", f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}"
+                "stop", f"{{param}} takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}"
             )
         for s in self.stop:
             if not s or len(s) > MAX_STOP_CHARS:
                 raise InvalidParams(
                     "stop",
-                    f"each stop string must have 1 to {MAX_STOP_CHARS} characters, got one of "
+                    f"each {{param}} string must have 1 to {MAX_STOP_CHARS} characters, got one of "
                     f"{len(s)}",
                 )
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidParams(
                 "stop_token_ids",
-                f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, "
+                f"{{param}} takes at most {MAX_STOP_TOKEN_IDS} ids, "
                 f"got {len(self.stop_token_ids)}",
             )
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise InvalidParams(
                 "logit_bias",
-                f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}",
+                f"{{param}} takes at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}",
             )
 
     def check_contrastive(self) -> None:
@@ -135,8 +171,8 @@ class SamplingParams:
         if self.top_k > MAX_CONTRASTIVE_TOP_K:
             raise InvalidParams(
                 "top_k",
-                f"contrastive search takes top_k up to {MAX_CONTRASTIVE_TOP_K} (each candidate is "
-                f"a look-ahead row), got {self.top_k}",
+                f"contrastive search takes {{param}} up to {MAX_CONTRASTIVE_TOP_K} (each candidate "
+                f"is a look-ahead row), got {self.top_k}",
             )
 
     def resolved_strategy(self, default: str) -> str:

@@ -76,7 +76,8 @@ class Scheduler:
         self.config = config
         self.prefix_cache = prefix_cache
         self.attention_tokens = attention_tokens
-        self.queue = JobQueue(config.job_queue_size)
+        self.queue = JobQueue(config.job_queue_size, config.scheduling_policy,
+                              config.scheduling_age_limit)
         self.prefilling: list[Job] = []  # admitted, prompt not done (or done, joining next step)
         self.running: list[Sequence] = []
         self.layout: list[list[Sequence]] = []  # the decode rows' groups, as last planned
@@ -132,7 +133,7 @@ class Scheduler:
         while budget > 0 and (job := self.queue.peek()) is not None:
             if self.slots_taken() + job.params.n > self.config.max_rolling_batch_size:
                 break
-            self.queue.pop()
+            self.queue.remove(job)
             self._admit(job)
             plan.admitted.append(job)
             budget -= self._chunk(plan, job, budget)

@@ -16,7 +16,7 @@ from adapters.djl import (
     build_djl_jobs,
     decode_djl,
 )
-from adapters.errors import ApiError
+from adapters.errors import DJL_NAMES, ApiError
 from adapters.openai_params import JobSpec
 from app.api_docs import documented
 from app.auth import require_api_key
@@ -53,7 +53,7 @@ class DjlController(Controller):
             return (req, assemblers, jsonlines), specs
 
         (req, assemblers, jsonlines), stream = await open_request(
-            gw, request, "/invocations", "inputs", prepare)
+            gw, request, "/invocations", DJL_NAMES, prepare)
         if jsonlines:
             return Stream(self._lines(stream, assemblers[0]), media_type="application/jsonlines",
                           background=closing(stream))

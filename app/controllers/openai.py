@@ -10,6 +10,7 @@ import msgspec
 from litestar import Controller, Request, Response, get, post
 from litestar.params import FromPath
 
+from adapters.errors import CHAT_NAMES, COMPLETION_NAMES
 from adapters.openai_chat import ChatAssembler, ChatChunker, build_chat_job
 from adapters.openai_completions import (
     CompletionAssembler,
@@ -73,7 +74,7 @@ class ChatCompletionsController(Controller):
                                   gw.settings.server.max_tokens_limit)
             return (req, spec.params.n), [spec]
 
-        (req, n), stream = await open_request(gw, request, self.path, "messages", prepare)
+        (req, n), stream = await open_request(gw, request, self.path, CHAT_NAMES, prepare)
         meta = ResponseMeta.new("chatcmpl", gw.model_name, gw.system_fingerprint)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -103,7 +104,7 @@ class CompletionsController(Controller):
                                                    gw.settings.server.max_tokens_limit)
             return (req, prompts, specs[0].params.n), specs
 
-        (req, prompts, n), stream = await open_request(gw, request, self.path, "prompt",
+        (req, prompts, n), stream = await open_request(gw, request, self.path, COMPLETION_NAMES,
                                                        prepare)
         meta = ResponseMeta.new("cmpl", gw.model_name, gw.system_fingerprint)
         echo, logprobs = bool(req.echo), req.logprobs is not None

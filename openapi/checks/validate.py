@@ -100,7 +100,7 @@ CONTRACT: tuple[Contract, ...] = (
 # an OpenAI field than a new feature.
 EXTENSIONS = {
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-    "skip_special_tokens",  # vLLM sampling parameters
+    "skip_special_tokens", "priority",  # vLLM sampling and scheduling parameters
     "continuous_usage_stats",  # vLLM stream_options
     "decoding_strategy", "penalty_alpha",  # DJL / transformers contrastive search
     "max_model_len",  # vLLM's model card

@@ -1,6 +1,6 @@
 import pytest
 
-from adapters.errors import ApiError
+from adapters.errors import CHAT_NAMES, ApiError
 from adapters.openai_params import (
     check_model,
     logit_bias_ids,
@@ -40,13 +40,13 @@ def test_sampling_params_carry_every_field():
     p = sampling_params(req(temperature=0.5, top_p=0.8, top_k=5, min_p=0.1, seed=7, n=2,
                             stop="\n", presence_penalty=0.5, frequency_penalty=-0.5,
                             repetition_penalty=1.1, logit_bias={"42": 5.0}, min_tokens=2,
-                            ignore_eos=True, penalty_alpha=0.4, stop_token_ids=[3]),
-                        max_tokens=9, logprobs=True, top_logprobs=3)
+                            ignore_eos=True, penalty_alpha=0.4, stop_token_ids=[3], priority=-3),
+                        CHAT_NAMES, max_tokens=9, logprobs=True, top_logprobs=3)
     assert (p.strategy, p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.n) == (
         "sample", 0.5, 0.8, 5, 0.1, 7, 2)
     assert p.stop == ["\n"] and p.stop_token_ids == [3] and p.logit_bias == {42: 5.0}
     assert (p.max_new_tokens, p.min_new_tokens, p.ignore_eos, p.penalty_alpha) == (9, 2, True, 0.4)
-    assert p.logprobs and p.top_logprobs == 3
+    assert p.logprobs and p.top_logprobs == 3 and p.priority == -3
 
 
 @pytest.mark.parametrize(("kw", "param"), [
@@ -57,10 +57,12 @@ def test_sampling_params_carry_every_field():
     ({"stop": ["a", ""]}, "stop"),
     ({"logit_bias": {"x": 1.0}}, "logit_bias"),
     ({"stream_options": StreamOptions(include_usage=True)}, "stream_options"),
+    ({"priority": 2**40}, "priority"),
+    ({"min_tokens": 9}, "min_tokens"),  # the engine's min_new_tokens, as the API names it
 ])
 def test_out_of_range_values_name_the_parameter(kw, param):
     with pytest.raises(ApiError) as info:
-        sampling_params(req(**kw), max_tokens=4)
+        sampling_params(req(**kw), CHAT_NAMES, max_tokens=4)
     assert info.value.status == 400 and info.value.param == param
 
 

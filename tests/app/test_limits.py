@@ -159,6 +159,12 @@ def test_outcomes_and_abort_latency_are_counted(live_server):
                   outcome="finished") == finished + 1
     assert metric(srv, "seqgate_request_outcomes_total", route=CHAT,
                   outcome="client_disconnected") == gone + 1
+    # The step that drops the job records it when the step ends, a moment after the job
+    # stops counting as running: poll briefly.
+    deadline = time.monotonic() + 10
+    while metric(srv, "seqgate_abort_free_steps_count") == aborts:
+        assert time.monotonic() < deadline, "the abort was never recorded"
+        time.sleep(0.02)
     assert metric(srv, "seqgate_abort_free_steps_count") == aborts + 1
     assert metric(srv, "seqgate_abort_free_steps_bucket", le="3.0") == aborts + 1
 

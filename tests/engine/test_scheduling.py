@@ -361,3 +361,33 @@ def test_token_budget_defaults_and_limits():
     with pytest.raises(ConfigError) as err:
         EngineConfig(max_rolling_batch_size=64, max_num_batched_tokens=64)
     assert "max_num_batched_tokens" in str(err.value)
+
+
+def test_admission_policies_and_the_age_limit(monkeypatch):
+    import engine.queue as queue_module
+
+    now = [1000.0]
+    monkeypatch.setattr(queue_module.time, "monotonic", lambda: now[0])
+
+    def order(policy: str, jobs: list[Job]) -> list[str]:
+        q = queue_module.JobQueue(10, policy, age_limit=5.0)
+        for j in jobs:
+            q.push(j, 0)
+        out = []
+        while (j := q.peek()) is not None:
+            q.remove(j)
+            out.append(j.job_id)
+        return out
+
+    def job(name: str, length: int, priority: int, arrival: float) -> Job:
+        j = Job(name, list(range(1, length + 1)), SamplingParams(priority=priority), "greedy")
+        j.arrival = arrival
+        return j
+
+    jobs = [job("a", 300, 2, 999.0), job("b", 10, 1, 999.5), job("c", 50, 0, 999.9),
+            job("d", 10, 0, 999.9)]
+    assert order("fifo", jobs) == ["a", "b", "c", "d"]
+    assert order("priority", jobs) == ["c", "d", "b", "a"]  # ties: the earlier arrival
+    assert order("shortest", jobs) == ["b", "d", "c", "a"]
+    now[0] = 1004.5  # a has waited 5.5 s: it goes first, then the policy's order again
+    assert order("shortest", jobs) == ["a", "b", "d", "c"]
