@@ -316,7 +316,9 @@ def render(data: dict, doc: Path) -> str:
                      + scheduler_section(doc) + ["## Notes on the peer", "", PEER_NOTES])
 
 
-SCENARIOS = ("stall.md", "multiturn.md")  # written beside the plots by bench.stall, .multiturn
+# Written beside the plots by bench.stall and bench.multiturn; scheduler.md is kept by hand
+# (before/after comparisons across commits, which one run of `make bench` cannot make).
+SCENARIOS = ("stall.md", "multiturn.md", "scheduler.md")
 
 
 def scheduler_section(doc: Path) -> list[str]:
