@@ -302,7 +302,7 @@ class Engine:
         job = chunk.job
         want_hidden = job.strategy == "contrastive"
         if job.kv is None:  # the first chunk: start from the cached prefix, if any
-            job.kv = self.runner.prompt_cache(job.prefix)
+            job.kv = self.runner.prompt_cache(job.prefix, len(job.prompt_ids))
             if want_hidden and job.prefix is not None:
                 job.hidden = [job.prefix.hidden]
             job.prefix = None

@@ -10,7 +10,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 from engine import fused
-from engine.batch import RowKV, SubBatch
+from engine.batch import RowKV, SlabCache, SlabLayer, SubBatch, new_slabs
 from engine.radix_cache import PrefixEntry
 
 
@@ -64,14 +64,42 @@ class ModelRunner:
     def _forward(self, **kwargs):
         return self.model(use_cache=True, return_dict=True, **kwargs)
 
-    @staticmethod
-    def prompt_cache(prefix: PrefixEntry | None) -> DynamicCache:
-        """A batch-1 cache for a prompt's KV, starting from a cached prefix's."""
-        if prefix is None:
-            return DynamicCache()
-        return DynamicCache(
-            ddp_cache_data=[(k[None], v[None]) for k, v in zip(prefix.keys, prefix.values)]
-        )
+    def prompt_cache(self, prefix: PrefixEntry | None, length: int) -> Cache:
+        """A batch-1 cache for a prompt of `length` tokens, holding a cached prefix's KV.
+
+        One slab of the prompt's length, allocated once (its chunks are written in place): a
+        cache grown by concatenation allocates a larger copy at every chunk, and those
+        short-lived blocks of every size fragment the heap under load. Models whose config
+        does not give the KV shape get transformers' DynamicCache.
+        """
+        shape = self._kv_shape()
+        if shape is None:
+            if prefix is None:
+                return DynamicCache()
+            return DynamicCache(
+                ddp_cache_data=[(k[None], v[None]) for k, v in zip(prefix.keys, prefix.values)])
+        heads, dim = shape
+        like = self.model.get_output_embeddings().weight
+        slabs = new_slabs(like, [((1, heads, length, dim), (1, heads, length, dim))]
+                          * self.n_layers)
+        done = 0 if prefix is None else prefix.length
+        layers = []
+        for i, (k, v) in enumerate(slabs):
+            if prefix is not None:
+                k[0, :, :done] = prefix.keys[i]
+                v[0, :, :done] = prefix.values[i]
+            layers.append(SlabLayer(k, v, done))
+        return SlabCache(layers)
+
+    def _kv_shape(self) -> tuple[int, int] | None:
+        """(key-value heads, head dimension) of every layer, when the config says so."""
+        cfg = self.model.config.get_text_config()
+        heads = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads",
+                                                                     None)
+        dim = getattr(cfg, "head_dim", None)
+        if dim is None and heads and getattr(cfg, "hidden_size", None):
+            dim = cfg.hidden_size // cfg.num_attention_heads
+        return (heads, dim) if heads and dim else None
 
     def prefill_chunk(self, chunk: Chunk) -> GroupResult:
         """Compute one chunk alone (models without the packed path, or a step with nothing
