@@ -127,7 +127,7 @@ def build_chat_job(req: ChatCompletionRequest, tokenizer, max_model_len: int,
         requested, param = req.max_completion_tokens, "max_completion_tokens"
     else:
         requested, param = req.max_tokens, "max_tokens"
-    budget = max_tokens_for(requested, len(prompt_ids), max_model_len, param, "messages",
+    budget = max_tokens_for(requested, len(prompt_ids), max_model_len, param, CHAT_NAMES,
                             max_tokens_limit)
     params = sampling_params(req, CHAT_NAMES, max_tokens=budget, logprobs=bool(req.logprobs),
                              top_logprobs=req.top_logprobs or 0)

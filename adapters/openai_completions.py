@@ -101,8 +101,8 @@ def build_completion_jobs(req: CompletionRequest, tokenizer, max_model_len: int,
     requested = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     jobs = []
     for p in prompts:
-        budget = max_tokens_for(requested, len(p.ids), max_model_len, "max_tokens", "prompt",
-                                max_tokens_limit)
+        budget = max_tokens_for(requested, len(p.ids), max_model_len, "max_tokens",
+                                COMPLETION_NAMES, max_tokens_limit)
         params = sampling_params(req, COMPLETION_NAMES, max_tokens=budget,
                                  logprobs=req.logprobs is not None,
                                  top_logprobs=req.logprobs or 0)

@@ -121,7 +121,7 @@ def sampling_params(req: SamplingFields, names: ParamNames, *, max_tokens: int,
 
 
 def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int,
-                   param: str, prompt_param: str, limit: int = 0) -> int:
+                   param: str, names: ParamNames, limit: int = 0) -> int:
     """The completion budget: as asked, or (None) whatever the context has left, like vLLM;
     never more than the server's `limit` (--max-tokens-limit; 0: none).
 
@@ -137,7 +137,7 @@ def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int,
     try:
         check_context(prompt_len, budget, max_model_len)
     except InvalidParams as exc:
-        raise from_engine_error(exc, ParamNames({"prompt": prompt_param})) from None
+        raise from_engine_error(exc, names) from None
     return budget
 
 

@@ -316,14 +316,18 @@ class RollingBatch:
         for sb in self.sub_batches:
             for i, s in enumerate(sb.seqs):
                 where[s] = (sb, i)
+
+        def home(s: Sequence) -> SubBatch | None:
+            return where[s][0] if s in where else None
+
         edits: dict[int, SubBatch] = {}  # group index -> the sub-batch edited into it
         for gi, group in enumerate(groups):
             best, best_kept = None, 0
             for sb in self.sub_batches:
                 if sb in edits.values():
                     continue
-                kept = [s for s in group if where.get(s, (None,))[0] is sb]
-                joining = [s for s in group if where.get(s, (None,))[0] is not sb]
+                kept = [s for s in group if home(s) is sb]
+                joining = [s for s in group if home(s) is not sb]
                 if len(kept) > best_kept and all(s in new_rows for s in joining) and \
                         sb.can_take(kept, [new_rows[s] for s in joining]):
                     best, best_kept = sb, len(kept)
@@ -339,7 +343,7 @@ class RollingBatch:
             members = set(groups[gi])
             sb.drop({s for s in sb.seqs if s not in members})
             for s in groups[gi]:
-                if where.get(s, (None,))[0] is not sb:
+                if home(s) is not sb:
                     sb.add(s, new_rows[s])
             result[gi] = sb
         self.sub_batches = result

@@ -237,9 +237,12 @@ class Engine:
         s = self._stats
         s.queued = len(self.scheduler.queue)
         s.running = self.scheduler.slots_taken()
-        s.prefix_cache_bytes = self.prefix_cache.nbytes
-        s.prefix_cache_entries = len(self.prefix_cache)
-        s.prefix_cache_evictions = self.prefix_cache.evictions
+        cache = self.prefix_cache  # its own counters: hits and misses per lookup at admission
+        s.cache_hits, s.cache_misses, s.cached_tokens = cache.hits, cache.misses, \
+            cache.reused_tokens
+        s.prefix_cache_bytes = cache.nbytes
+        s.prefix_cache_entries = len(cache)
+        s.prefix_cache_evictions = cache.evictions
         s.generated_tokens = self.decoder.generated_tokens
         return s
 
@@ -288,14 +291,14 @@ class Engine:
         """Drop aborted prompts' KV and regroup the batch to the plan's partition; jobs that
         joined bring their prompt's KV as new rows."""
         for job in plan.aborted:
-            job.kv, job.prefix, job.hidden = None, None, []
+            job.release_prompt()
         if plan.groups is None:
             return
         new_rows: dict[Sequence, RowKV] = {}
         for job in plan.joined:
             row = row_from_cache(job.kv)
             new_rows.update((s, row) for s in job.seqs)
-            job.kv, job.hidden = None, []
+            job.release_prompt()
         self.batch.regroup(plan.groups, new_rows)
 
     def _chunk_input(self, chunk: PrefillChunk) -> Chunk:
@@ -337,11 +340,6 @@ class Engine:
         sbs = self.batch.sub_batches
         for job in plan.admitted:
             self._stats.prompt_tokens += len(job.prompt_ids)
-            if job.cached_tokens:
-                self._stats.cache_hits += 1
-                self._stats.cached_tokens += job.cached_tokens
-            elif self.config.prompt_cache_bytes:
-                self._stats.cache_misses += 1
         for sb, result in zip(sbs, results):
             touched.update((s.job.job_id, s.job) for s in sb.seqs)
             if isinstance(result, Exception):
@@ -360,7 +358,7 @@ class Engine:
             if isinstance(result, Exception):
                 for s in job.seqs:
                     fail(s, f"prefill failed: {result}")
-                job.kv, job.hidden = None, []
+                job.release_prompt()
                 continue
             logits, states = result
             job.computed = chunk.stop
@@ -383,7 +381,7 @@ class Engine:
         n = len(job.seqs)
         self.decoder.choose(job.seqs, logits[None].expand(n, -1), [job.kv] * n)
         if job.done:  # every sequence ended on its first token: it never joins
-            job.kv, job.hidden = None, []
+            job.release_prompt()
 
     def _cache_finished(self) -> None:
         """Insert every sequence that ended this step normally, its prompt and its answer, into
@@ -409,7 +407,7 @@ class Engine:
             fail(s, message)
             touched[s.job.job_id] = s.job
         for job in self.scheduler.prefilling:
-            job.kv, job.hidden = None, []
+            job.release_prompt()
         self.scheduler.running, self.scheduler.prefilling, self.scheduler.layout = [], [], []
         self.batch.sub_batches = []
         self._publish(touched)

@@ -127,3 +127,8 @@ class Job:
     @property
     def done(self) -> bool:
         return all(s.status.finished for s in self.seqs)
+
+    def release_prompt(self) -> None:
+        """Drop what prefilling held: the prompt's KV (the batch or the prefix cache keep their
+        own references), the matched prefix and the hidden states."""
+        self.kv, self.prefix, self.hidden = None, None, []

@@ -40,10 +40,18 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device):
         self.model = model
         self.device = device
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.n_layers = model.config.get_text_config().num_hidden_layers
+        self._lm_head = model.get_output_embeddings().weight
+        self.vocab_size = self._lm_head.shape[0]
+        self.dtype = self._lm_head.dtype
+        cfg = model.config.get_text_config()
+        self.n_layers = cfg.num_hidden_layers
+        heads, hidden = getattr(cfg, "num_attention_heads", None), getattr(cfg, "hidden_size", None)
+        self._head_dim = getattr(cfg, "head_dim", None) or (
+            hidden // heads if heads and hidden else None)
+        # (key-value heads, head dimension) of every layer, for prompt slabs; None: unknown.
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        self._kv_shape = (kv_heads, self._head_dim) if kv_heads and self._head_dim else None
         self._no_mask = fused.NO_MASK.to(device)
-        self.dtype = model.get_output_embeddings().weight.dtype
 
     def attention_tokens(self) -> int:
         """Context tokens whose attention costs about as much as one token's linear layers.
@@ -53,12 +61,10 @@ class ModelRunner:
         at a lower rate than the big matrix products: a third of it measured here (SmolLM2-135M,
         CPU: a 128-token chunk's linear layers 115 ms, its attention over ~1,650 keys 157 ms).
         """
-        cfg = self.model.config.get_text_config()
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        heads = self.model.config.get_text_config().num_attention_heads
         linear = sum(p.numel() for name, p in self.model.named_parameters()
                      if "embed" not in name)
-        pair = 4 * heads * head_dim * cfg.num_hidden_layers
+        pair = 4 * heads * self._head_dim * self.n_layers
         return max(1, round(2 * linear / pair * ATTENTION_RATE))
 
     def _forward(self, **kwargs):
@@ -72,15 +78,13 @@ class ModelRunner:
         short-lived blocks of every size fragment the heap under load. Models whose config
         does not give the KV shape get transformers' DynamicCache.
         """
-        shape = self._kv_shape()
-        if shape is None:
+        if self._kv_shape is None:
             if prefix is None:
                 return DynamicCache()
             return DynamicCache(
                 ddp_cache_data=[(k[None], v[None]) for k, v in zip(prefix.keys, prefix.values)])
-        heads, dim = shape
-        like = self.model.get_output_embeddings().weight
-        slabs = new_slabs(like, [((1, heads, length, dim), (1, heads, length, dim))]
+        heads, dim = self._kv_shape
+        slabs = new_slabs(self._lm_head, [((1, heads, length, dim), (1, heads, length, dim))]
                           * self.n_layers)
         done = 0 if prefix is None else prefix.length
         layers = []
@@ -90,16 +94,6 @@ class ModelRunner:
                 v[0, :, :done] = prefix.values[i]
             layers.append(SlabLayer(k, v, done))
         return SlabCache(layers)
-
-    def _kv_shape(self) -> tuple[int, int] | None:
-        """(key-value heads, head dimension) of every layer, when the config says so."""
-        cfg = self.model.config.get_text_config()
-        heads = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads",
-                                                                     None)
-        dim = getattr(cfg, "head_dim", None)
-        if dim is None and heads and getattr(cfg, "hidden_size", None):
-            dim = cfg.hidden_size // cfg.num_attention_heads
-        return (heads, dim) if heads and dim else None
 
     def prefill_chunk(self, chunk: Chunk) -> GroupResult:
         """Compute one chunk alone (models without the packed path, or a step with nothing

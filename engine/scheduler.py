@@ -14,7 +14,7 @@ assert on plans without a model.
 
 from __future__ import annotations
 
-import math
+import bisect
 import threading
 from dataclasses import dataclass, field
 
@@ -183,14 +183,10 @@ class Scheduler:
     def _chunk(self, plan: StepPlan, job: Job, budget: int) -> int:
         """Plan the longest chunk of `job`'s prompt that fits `budget`; returns its cost."""
         start, left = job.computed, len(job.prompt_ids) - job.computed
-        k = self.attention_tokens
-        # The largest n with n * (1 + (start + n / 2) / k) <= budget (the cost's inverse).
-        a = 1 + start / k
-        tokens = min(left, max(1, int(k * (math.sqrt(a * a + 2 * budget / k) - a))))
-        while tokens > 1 and self.chunk_cost(start, tokens) > budget:
-            tokens -= 1
-        while tokens < left and self.chunk_cost(start, tokens + 1) <= budget:
-            tokens += 1
+        # The cost grows with the chunk's length: the longest that fits, and at least one token.
+        fits = bisect.bisect_right(range(1, left + 1), budget,
+                                   key=lambda n: self.chunk_cost(start, n))
+        tokens = max(1, fits)
         plan.chunks.append(PrefillChunk(job, start, start + tokens))
         return self.chunk_cost(start, tokens)
 

@@ -67,26 +67,26 @@ def test_out_of_range_values_name_the_parameter(kw, param):
 
 
 def test_max_tokens_default_is_the_rest_of_the_context():
-    assert max_tokens_for(None, 100, 8192, "max_tokens", "messages") == 8092
-    assert max_tokens_for(10, 100, 8192, "max_tokens", "messages") == 10
+    assert max_tokens_for(None, 100, 8192, "max_tokens", CHAT_NAMES) == 8092
+    assert max_tokens_for(10, 100, 8192, "max_tokens", CHAT_NAMES) == 10
 
 
 def test_context_overflow_is_context_length_exceeded():
     with pytest.raises(ApiError) as info:
-        max_tokens_for(9000, 100, 8192, "max_tokens", "messages")
+        max_tokens_for(9000, 100, 8192, "max_tokens", CHAT_NAMES)
     err = info.value
     assert err.status == 400 and err.code == "context_length_exceeded"
     assert "maximum context length is 8192" in err.message
     assert "context_length_exceeded" in err.message
     assert err.param == "messages"
     with pytest.raises(ApiError) as info:
-        max_tokens_for(None, 8192, 8192, "max_tokens", "messages")
+        max_tokens_for(None, 8192, 8192, "max_tokens", CHAT_NAMES)
     assert info.value.code == "context_length_exceeded"
 
 
 def test_max_tokens_below_one():
     with pytest.raises(ApiError) as info:
-        max_tokens_for(0, 10, 100, "max_completion_tokens", "messages")
+        max_tokens_for(0, 10, 100, "max_completion_tokens", CHAT_NAMES)
     assert info.value.param == "max_completion_tokens"
 
 
