@@ -101,7 +101,7 @@ def filter_logits(
     # does.
     mass_before = probs.cumsum(dim=-1) - probs
     remove |= mass_before >= top_p[:, None]
-    remove |= probs < (min_p * probs[:, :1])
+    remove |= probs < (min_p[:, None] * probs[:, :1])
     remove[:, 0] = False  # the most likely token always survives
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine import SamplingParams
+from engine.sampling import filter_logits
 from tests.engine.helpers import collect, prompt_of
 
 
@@ -159,3 +160,16 @@ def test_logprobs_and_penalties(smollm2, make_engine):
     assert biased["tokens"][0] != plain[0]
     rep = run(eng, ids, strategy="greedy", max_new_tokens=12, frequency_penalty=2.0)[0]["tokens"]
     assert len(set(rep)) >= len(set(plain))
+
+
+def test_filters_apply_per_row_in_a_batch():
+    """Each row's temperature, top-k, top-p and min-p apply to that row alone (a batch of rows
+    filters as each row would alone)."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    args = (torch.tensor([0.7, 1.0, 1.3]), torch.tensor([0, 5, 0]),
+            torch.tensor([1.0, 1.0, 0.8]), torch.tensor([0.1, 0.0, 0.05]))
+    batched = filter_logits(logits, *args)
+    for i in range(3):
+        alone = filter_logits(logits[i : i + 1], *(a[i : i + 1] for a in args))
+        assert torch.equal(batched[i], alone[0])
