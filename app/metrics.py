@@ -54,6 +54,12 @@ class _EngineCollector(Collector):
              s.cached_tokens),
             ("seqgate_prompt_cache_evictions", "Radix-tree nodes evicted from the prefix cache",
              s.prefix_cache_evictions),
+            ("seqgate_grammars_compiled", "Grammars compiled (response_format, tools, guided_*) "
+             "that were not in the compile cache", s.grammars_compiled),
+            ("seqgate_grammar_masked_tokens", "Tokens chosen under a grammar's mask",
+             s.grammar_masked_tokens),
+            ("seqgate_grammar_mask_seconds", "Engine time spent computing and applying grammar "
+             "masks", s.grammar_mask_seconds),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

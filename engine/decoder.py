@@ -12,6 +12,7 @@ import torch
 
 from engine.batch import row_from_cache
 from engine.contrastive import contrastive_choice
+from engine.grammar import GrammarMasks
 from engine.job import SeqStatus, Sequence
 from engine.runner import ModelRunner
 from engine.sampling import (
@@ -42,12 +43,15 @@ class TokenDecoder:
         self.generator = torch.Generator(device=runner.device)  # draws for unseeded jobs
         self.generator.seed()
         self.generated_tokens = 0
+        self.grammar = GrammarMasks(runner.vocab_size)
 
     def choose(self, seqs: list[Sequence], logits: torch.Tensor, sources: list) -> None:
         """Pick each row's next token; a row whose choice raises fails alone."""
         try:
             tokens, lps = self._choose_rows(seqs, logits, sources)
         except Exception:
+            # A bug, not a row's fault: say so loudly, then isolate the row that raises.
+            log.exception("batched token choice failed; choosing row by row")
             tokens, lps = [], []
             for i, s in enumerate(seqs):
                 try:
@@ -66,7 +70,8 @@ class TokenDecoder:
     def _choose_rows(self, seqs: list[Sequence], logits: torch.Tensor, sources: list):
         logits = apply_penalties(logits, seqs, self.runner.vocab_size)
         logits = apply_logit_bias(logits, seqs)
-        logits = block_stop_tokens(logits, seqs, self.eos_ids)
+        scored = block_stop_tokens(logits, seqs, self.eos_ids)  # what logprobs report
+        logits = self._constrain(logits, scored, seqs)
         tokens: list[int] = [0] * len(seqs)
         strategies = [s.job.strategy for s in seqs]
         greedy = [i for i, st in enumerate(strategies) if st == "greedy"]
@@ -86,15 +91,29 @@ class TokenDecoder:
         want = [i for i, s in enumerate(seqs) if s.params.logprobs]
         if want:
             got = logprobs_for(
-                logits[want], [tokens[i] for i in want], [seqs[i].params.top_logprobs for i in want]
+                scored[want], [tokens[i] for i in want], [seqs[i].params.top_logprobs for i in want]
             )
             for i, lp in zip(want, got):
                 lps[i] = lp
         return tokens, lps
 
+    def _constrain(self, logits: torch.Tensor, blocked: torch.Tensor,
+                   seqs: list[Sequence]) -> torch.Tensor:
+        """Apply the rows' grammars. A grammar that allows only what `min_tokens` blocks (its
+        output is complete) wins: that row is masked from the unblocked logits."""
+        matchers = [s.matcher for s in seqs]
+        masked = self.grammar.apply(blocked, matchers)
+        if masked is blocked or blocked is logits:
+            return masked
+        dead = torch.isneginf(masked).all(dim=-1)
+        if dead.any():
+            masked[dead] = self.grammar.apply(logits, matchers)[dead]
+        return masked
+
     def _contrastive(self, s: Sequence, logits: torch.Tensor, source) -> int:
         p = s.params
-        k = p.top_k or 4
+        # Candidates are allowed tokens only (a grammar or a bias may forbid most of them).
+        k = min(p.top_k or 4, int(torch.isfinite(logits).sum()))
         probs = logits.softmax(dim=-1)
         top = probs.topk(k)
         if hasattr(source, "row"):  # a sub-batch: this row's KV after the step's forward
@@ -115,7 +134,9 @@ class TokenDecoder:
             s.out_logprobs.append(lp)
         if s.counts is not None:
             s.counts[tok] += 1
-        if tok in self.eos_ids and not p.ignore_eos:
+        if s.matcher is not None and not s.matcher.consume_token(tok):
+            fail(s, f"the output left its grammar: {s.matcher.get_error()}")
+        elif tok in self.eos_ids and not p.ignore_eos:
             s.status = SeqStatus.EOS
         elif tok in p.stop_token_ids:
             s.status = SeqStatus.STOP_TOKEN
@@ -124,11 +145,13 @@ class TokenDecoder:
             s.out_text.append(text)
             if stopped:
                 s.status = SeqStatus.STOP_STRING
+            elif s.matcher is not None and s.matcher.is_stopped():
+                s.status = SeqStatus.GRAMMAR  # the grammar is complete: nothing may follow
         if not s.status.finished and (
             len(s.generated) >= p.max_new_tokens or s.kv_len + 1 >= self.max_model_len
         ):
             s.status = SeqStatus.LENGTH
-        if s.status.finished and s.status != SeqStatus.STOP_STRING:
+        if s.status.finished and s.status not in (SeqStatus.STOP_STRING, SeqStatus.ERROR):
             # Text held back for an incomplete character or a partial stop match goes out now.
             text, stopped = s.stops.feed(s.detok.flush())
             s.out_text.append(text if stopped else text + s.stops.flush())

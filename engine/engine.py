@@ -18,6 +18,7 @@ from engine import fused
 from engine.batch import RollingBatch, RowKV, SubBatch, row_from_cache
 from engine.config import EngineConfig
 from engine.decoder import TokenDecoder, fail
+from engine.grammar import GrammarCompiler
 from engine.job import Job, SeqStatus, Sequence
 from engine.loader import LoadedModel, load_model
 from engine.outputs import JobDelta, StepStats
@@ -82,6 +83,9 @@ class EngineStats:
     prefix_cache_bytes: int = 0
     prefix_cache_entries: int = 0  # nodes of the radix tree holding KV
     prefix_cache_evictions: int = 0
+    grammars_compiled: int = 0  # grammars built (not found in the compile cache)
+    grammar_masked_tokens: int = 0  # tokens chosen under a grammar's mask
+    grammar_mask_seconds: float = 0.0  # time spent computing and applying those masks
     kv_bytes: int = 0  # held by the rolling batch's slabs after the last step
     peak_kv_bytes: int = 0  # the most they held after any step
     finished_by_reason: Counter = field(default_factory=Counter)
@@ -90,7 +94,7 @@ class EngineStats:
 # Sequences whose prompt and answer go into the prefix cache when they end (not aborted or failed
 # ones: a client that gave up is unlikely to send the history back).
 _CACHED_ENDINGS = frozenset({SeqStatus.EOS, SeqStatus.STOP_TOKEN, SeqStatus.STOP_STRING,
-                             SeqStatus.LENGTH})
+                             SeqStatus.LENGTH, SeqStatus.GRAMMAR})
 
 
 class Engine:
@@ -113,6 +117,8 @@ class Engine:
             self.config.chunk_attention_tokens or self.runner.attention_tokens())
         self.batch = RollingBatch()
         self.decoder = TokenDecoder(self.runner, self.eos_ids, self.max_model_len)
+        # Request threads compile grammars here (GrammarCompiler.compile), never the engine.
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_ids)
         self._stats = EngineStats()
         self._listeners: list[Callable[[StepStats], None]] = []
         self._wake = threading.Event()
@@ -244,6 +250,9 @@ class Engine:
         s.prefix_cache_entries = len(cache)
         s.prefix_cache_evictions = cache.evictions
         s.generated_tokens = self.decoder.generated_tokens
+        s.grammars_compiled = self.grammars.compiled
+        s.grammar_masked_tokens = self.decoder.grammar.masked_tokens
+        s.grammar_mask_seconds = self.decoder.grammar.mask_seconds
         return s
 
     # -- engine thread ----------------------------------------------------------------------

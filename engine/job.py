@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from llguidance import LLMatcher
 
 from engine.detokenize import IncrementalDetokenizer
 from engine.outputs import JobDelta, TokenLogprob
@@ -27,6 +28,7 @@ class SeqStatus(enum.IntEnum):
     LENGTH = 13
     ABORT = 14
     ERROR = 15
+    GRAMMAR = 16  # the output completed its grammar
 
     @property
     def finished(self) -> bool:
@@ -38,6 +40,7 @@ class SeqStatus(enum.IntEnum):
             SeqStatus.EOS: "stop",
             SeqStatus.STOP_TOKEN: "stop",
             SeqStatus.STOP_STRING: "stop",
+            SeqStatus.GRAMMAR: "stop",
             SeqStatus.LENGTH: "length",
             SeqStatus.ABORT: "abort",
             SeqStatus.ERROR: "error",
@@ -59,6 +62,7 @@ class Sequence:
     generator: torch.Generator | None = None
     detok: IncrementalDetokenizer | None = None
     stops: StopMatcher | None = None
+    matcher: LLMatcher | None = None  # the grammar's state, when the job has one
     # Counts of generated tokens, for presence/frequency penalties (built on first use).
     counts: torch.Tensor | None = None
     # Last-layer hidden states of the context, for contrastive search: [tokens, hidden].
@@ -83,6 +87,8 @@ class Sequence:
         self.detok = IncrementalDetokenizer(tokenizer, job.prompt_ids,
                                             job.params.skip_special_tokens)
         self.stops = StopMatcher(job.params.stop)
+        if job.params.grammar is not None:
+            self.matcher = job.params.grammar.matcher()
         if job.params.seed is not None:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(job.params.seed + self.index)

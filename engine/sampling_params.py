@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.config import STRATEGIES
+
+if TYPE_CHECKING:
+    from engine.grammar import CompiledGrammar
 
 # Bounds on what a client controls per job: each one caps memory or work on the engine thread.
 MAX_STOP_STRINGS = 16
@@ -78,6 +82,8 @@ class SamplingParams:
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
+    # The output must match this grammar (compiled off the engine thread: GrammarCompiler).
+    grammar: CompiledGrammar | None = None
     skip_special_tokens: bool = True
     priority: int = 0  # lower is admitted first under the "priority" scheduling policy
 
