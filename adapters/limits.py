@@ -11,3 +11,4 @@ MAX_MESSAGES = 4096  # chat messages in one request
 MAX_CONTENT_PARTS = 256  # content parts in one message
 MAX_PROMPTS = 64  # prompts in one /v1/completions request, inputs in one DJL request
 MAX_CHOICES = 64  # prompts × n in one /v1/completions request
+MAX_TOOLS = 128  # tools (or legacy functions) in one chat request, as OpenAI allows

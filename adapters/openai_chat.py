@@ -3,6 +3,9 @@ engine deltas → a response or stream chunks."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from adapters.errors import CHAT_NAMES, ApiError
 from adapters.limits import MAX_CONTENT_PARTS, MAX_MESSAGES
 from adapters.openai_params import (
@@ -22,30 +25,35 @@ from adapters.openai_types import (
     ChoiceLogprobs,
     ChunkChoice,
     ChunkDelta,
+    FunctionCall,
     TokenLogprobEntry,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
 from adapters.prompt_size import encode_bounded
+from adapters.structured import compile_grammar, guided_grammar, response_schema
 from adapters.token_text import TokenText
+from adapters.tools import (
+    ToolPlan,
+    ToolStreamParser,
+    call_block,
+    parse_answer,
+    tool_format,
+    tool_grammar,
+    tool_plan,
+    with_tool_prompt,
+)
 from adapters.usage import UsageCounter
 from engine import JobDelta, TokenLogprob
+from engine.grammar import CompiledGrammar, Grammar, GrammarCompiler
 
-_ROLES = ("system", "developer", "user", "assistant")
+_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 def check_supported(req: ChatCompletionRequest) -> None:
     """Refuse, by name, parameters whose meaning we cannot honour (silence would mislead)."""
-    if req.tools:
-        raise ApiError.unsupported("tools", " (no tool calling)")
-    if req.tool_choice not in (None, "none"):
-        raise ApiError.unsupported("tool_choice", " (no tool calling)")
-    if req.functions:
-        raise ApiError.unsupported("functions", " (no function calling)")
-    if req.function_call not in (None, "none"):
-        raise ApiError.unsupported("function_call", " (no function calling)")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise ApiError.unsupported("response_format", ' (only {"type": "text"})')
     if req.audio is not None:
         raise ApiError.unsupported("audio")
     if req.modalities and set(req.modalities) != {"text"}:
@@ -58,54 +66,115 @@ def check_supported(req: ChatCompletionRequest) -> None:
         raise ApiError.bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as chat templates take them: text content, `developer` rendered as `system`."""
+def _text(m: ChatMessage, where: str, required: bool = True) -> str | None:
+    """A message's content as text (text parts joined)."""
+    if isinstance(m.content, list):
+        if len(m.content) > MAX_CONTENT_PARTS:
+            raise ApiError.bad_request(f"a message takes at most {MAX_CONTENT_PARTS} content "
+                                       f"parts, got {len(m.content)}", param=f"{where}.content")
+        texts = []
+        for j, part in enumerate(m.content):
+            if part.type != "text" or part.text is None:
+                raise ApiError.unsupported(f"{where}.content[{j}].type",
+                                           f" (content part {part.type!r}: text only)")
+            texts.append(part.text)
+        return "\n".join(texts)
+    if m.content is None and required:
+        raise ApiError.bad_request(f"{where}.content is required", param=f"{where}.content",
+                                   code="missing_required_parameter")
+    return m.content
+
+
+def _calls(m: ChatMessage, where: str) -> list[tuple[str, str, Any]]:
+    """An assistant message's calls (tool_calls, or the legacy function_call) as (id, name,
+    arguments parsed from their JSON text); a 400 naming the call when one is malformed."""
+    if m.tool_calls is not None and m.function_call is not None:
+        raise ApiError.bad_request(f"{where} has both tool_calls and function_call",
+                                   param=f"{where}.function_call")
+    items = m.tool_calls if m.tool_calls is not None else (
+        [{"id": "", "type": "function", "function": m.function_call}]
+        if m.function_call is not None else [])
+    out = []
+    for j, call in enumerate(items):
+        at = f"{where}.tool_calls[{j}]" if m.tool_calls is not None else f"{where}.function_call"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ApiError.bad_request(f"{at} must be a function call with a name",
+                                       param=at if m.tool_calls is None else f"{at}.function")
+        if m.tool_calls is not None and call.get("type", "function") != "function":
+            raise ApiError.bad_request(f"{at}.type must be 'function'", param=f"{at}.type")
+        args = fn.get("arguments", "{}")
+        try:
+            parsed = json.loads(args) if isinstance(args, str) else None
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            param = f"{at}.function.arguments" if m.tool_calls is not None else f"{at}.arguments"
+            raise ApiError.bad_request(f"{param} must be a JSON object in a string, got "
+                                       f"{str(args)[:80]!r}", param=param)
+        out.append((str(call.get("id") or ""), fn["name"], parsed))
+    return out
+
+
+def template_messages(messages: list[ChatMessage], tools: str = "generic"
+                      ) -> list[dict[str, Any]]:
+    """Messages as chat templates take them: text content, `developer` rendered as `system`,
+    and tool traffic as the tool format says (adapters/tools.py): `hermes` passes assistant
+    calls and `tool` messages to the template; `generic` writes calls as their blocks and tool
+    results as user messages."""
     if not messages:
         raise ApiError.bad_request("messages must not be empty", param="messages")
     if len(messages) > MAX_MESSAGES:
         raise ApiError.bad_request(f"messages takes at most {MAX_MESSAGES} messages, got "
                                    f"{len(messages)}", param="messages")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
-        if m.role in ("tool", "function"):
-            raise ApiError.unsupported(f"messages[{i}].role",
-                                       f" (role {m.role!r}: no tool calling)")
+        where = f"messages[{i}]"
         if m.role not in _ROLES:
-            raise ApiError.bad_request(f"messages[{i}].role must be one of {', '.join(_ROLES)}, "
-                                       f"got {m.role!r}", param=f"messages[{i}].role")
-        if m.tool_calls:
-            raise ApiError.unsupported(f"messages[{i}].tool_calls", " (no tool calling)")
-        if isinstance(m.content, list):
-            if len(m.content) > MAX_CONTENT_PARTS:
-                raise ApiError.bad_request(f"a message takes at most {MAX_CONTENT_PARTS} content "
-                                           f"parts, got {len(m.content)}",
-                                           param=f"messages[{i}].content")
-            texts = []
-            for j, part in enumerate(m.content):
-                if part.type != "text" or part.text is None:
-                    raise ApiError.unsupported(f"messages[{i}].content[{j}].type",
-                                               f" (content part {part.type!r}: text only)")
-                texts.append(part.text)
-            content = "\n".join(texts)
-        elif m.content is None:
-            raise ApiError.bad_request(f"messages[{i}].content is required",
-                                       param=f"messages[{i}].content",
-                                       code="missing_required_parameter")
-        else:
-            content = m.content
+            raise ApiError.bad_request(f"{where}.role must be one of {', '.join(_ROLES)}, "
+                                       f"got {m.role!r}", param=f"{where}.role")
+        if m.role in ("tool", "function"):
+            content = _text(m, where)
+            if tools == "hermes":
+                out.append({"role": "tool", "content": content,
+                            "tool_call_id": m.tool_call_id or "", "name": m.name or ""})
+                continue
+            block = f"<tool_response>\n{content}\n</tool_response>"
+            if out and out[-1].get("tool_responses"):  # results of one turn's calls together
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "tool_responses": True})
+            continue
+        if m.role != "assistant" and (m.tool_calls is not None or m.function_call is not None):
+            raise ApiError.bad_request(f"only assistant messages carry tool calls, not "
+                                       f"{m.role!r}", param=f"{where}.tool_calls")
+        calls = _calls(m, where) if m.role == "assistant" else []
+        content = _text(m, where, required=not calls) or ""
+        if calls and tools == "hermes":
+            out.append({"role": "assistant", "content": content, "tool_calls": [
+                {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+                for cid, name, args in calls]})
+            continue
+        if calls:
+            blocks = "\n".join(call_block(name, args) for _, name, args in calls)
+            content = f"{content}\n{blocks}" if content else blocks
         out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    for msg in out:
+        msg.pop("tool_responses", None)
     return out
 
 
-def render_prompt(tokenizer, messages: list[dict[str, str]],
-                  max_model_len: int | None = None) -> list[int]:
-    """Prompt ids for the conversation, as the model's chat template renders it. (The engine's
-    prefix cache finds whatever head of them it already holds: no prefix is marked here.)"""
+def render_prompt(tokenizer, messages: list[dict[str, Any]],
+                  max_model_len: int | None = None,
+                  tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Prompt ids for the conversation, as the model's chat template renders it (with `tools`
+    for a template that renders them). The engine's prefix cache finds whatever head of them it
+    already holds: no prefix is marked here."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ApiError.bad_request("This model has no chat template; use /v1/completions.",
                                    param="messages", code="chat_template_missing")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                              add_generation_prompt=True)
     except Exception as exc:  # a template's own checks (role order, ...) are the client's error
         raise ApiError.bad_request(f"The chat template rejected the messages: {exc}",
@@ -117,11 +186,57 @@ def render_prompt(tokenizer, messages: list[dict[str, str]],
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def _has_tool_traffic(messages: list[ChatMessage]) -> bool:
+    return any(m.role in ("tool", "function") or m.tool_calls is not None
+               or m.function_call is not None for m in messages)
+
+
+def chat_grammar(req: ChatCompletionRequest, plan: ToolPlan | None,
+                 grammars: GrammarCompiler | None) -> CompiledGrammar | None:
+    """The grammar the answer must follow: the tools' (calls, or a plain answer under `auto`),
+    a `guided_*` extra, or the response_format's schema; None when the answer is free."""
+    schema = response_schema(req.response_format)
+    guided = guided_grammar(req)
+    if guided is not None and schema is not None:
+        raise ApiError.bad_request(f"{guided[1]} cannot be combined with a response_format",
+                                   param=guided[1])
+    grammar: tuple[Grammar, str] | None = guided
+    if plan is not None and plan.calls_allowed:
+        if guided is not None:
+            raise ApiError.bad_request(f"{guided[1]} cannot be combined with tools",
+                                       param=guided[1])
+        if grammars is None:
+            raise RuntimeError("a grammar compiler is needed for tools")
+        for i, tool in enumerate(plan.tools):  # name the tool whose schema is at fault
+            where = f"{plan.param}[{i}]" + ("" if plan.legacy else ".function")
+            compile_grammar(grammars, Grammar.json_schema(tool.parameters), f"{where}.parameters")
+        grammar = Grammar.lark(tool_grammar(plan, schema)), plan.param
+    elif schema is not None:
+        grammar = Grammar.json_schema(schema), "response_format"
+    if grammar is None:
+        return None
+    if grammars is None:
+        raise RuntimeError("a grammar compiler is needed for structured outputs")
+    return compile_grammar(grammars, *grammar)
+
+
 def build_chat_job(req: ChatCompletionRequest, tokenizer, max_model_len: int,
-                   max_tokens_limit: int = 0) -> JobSpec:
-    """Translate a chat request into one engine job; raises ApiError before any submission."""
+                   max_tokens_limit: int = 0, grammars: GrammarCompiler | None = None) -> JobSpec:
+    """Translate a chat request into one engine job; raises ApiError before any submission.
+    `grammars` compiles structured outputs and tool grammars (here, on the request's thread)."""
     check_supported(req)
-    prompt_ids = render_prompt(tokenizer, template_messages(req.messages), max_model_len)
+    plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, req.functions,
+                     req.function_call)
+    fmt = tool_format(tokenizer) if plan or _has_tool_traffic(req.messages) else "generic"
+    messages = template_messages(req.messages, fmt)
+    template_tools = None
+    if plan is not None and plan.calls_allowed:
+        if fmt == "hermes":
+            template_tools = [t.schema() for t in plan.tools]
+        else:
+            messages = with_tool_prompt(messages, plan)
+    grammar = chat_grammar(req, plan, grammars)
+    prompt_ids = render_prompt(tokenizer, messages, max_model_len, template_tools)
     # ChatOpenAI sends max_completion_tokens, older clients max_tokens; the newer name wins.
     if req.max_completion_tokens is not None:
         requested, param = req.max_completion_tokens, "max_completion_tokens"
@@ -131,7 +246,8 @@ def build_chat_job(req: ChatCompletionRequest, tokenizer, max_model_len: int,
                             max_tokens_limit)
     params = sampling_params(req, CHAT_NAMES, max_tokens=budget, logprobs=bool(req.logprobs),
                              top_logprobs=req.top_logprobs or 0)
-    return JobSpec(prompt_ids, params)
+    params.grammar = grammar
+    return JobSpec(prompt_ids, params, plan if plan is not None and plan.calls_allowed else None)
 
 
 def chat_logprobs(logprobs: list[TokenLogprob], token_text: TokenText) -> list[TokenLogprobEntry]:
@@ -143,11 +259,21 @@ def chat_logprobs(logprobs: list[TokenLogprob], token_text: TokenText) -> list[T
     return entries
 
 
+def _answer_finish(finish: str | None, calls: int, plan: ToolPlan | None) -> str | None:
+    """An answer that made calls and ended normally finishes with `tool_calls` (legacy:
+    `function_call`)."""
+    if calls and finish == "stop" and plan is not None:
+        return "function_call" if plan.legacy else "tool_calls"
+    return finish
+
+
 class ChatAssembler:
     """Collects a job's deltas into the non-streaming chat response."""
 
-    def __init__(self, meta: ResponseMeta, n: int, token_text: TokenText, logprobs: bool):
+    def __init__(self, meta: ResponseMeta, n: int, token_text: TokenText, logprobs: bool,
+                 tools: ToolPlan | None = None):
         self.meta, self.token_text, self.want_logprobs = meta, token_text, logprobs
+        self.tools = tools
         self.texts: list[list[str]] = [[] for _ in range(n)]
         self.logprobs: list[list[TokenLogprobEntry]] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
@@ -161,16 +287,26 @@ class ChatAssembler:
         if delta.finish_reason is not None:
             self.finish[delta.index] = openai_finish_reason(delta.finish_reason)
 
+    def _message(self, i: int) -> tuple[ChatResponseMessage, str]:
+        text, finish = "".join(self.texts[i]), self.finish[i] or "stop"
+        if self.tools is None:
+            return ChatResponseMessage(role="assistant", content=text), finish
+        content, calls = parse_answer(text)
+        message = ChatResponseMessage(role="assistant", content=content)
+        if calls and self.tools.legacy:
+            message.function_call = FunctionCall(calls[0].name, calls[0].arguments)
+        elif calls:
+            message.tool_calls = [ToolCall(c.id, FunctionCall(c.name, c.arguments))
+                                  for c in calls]
+        return message, _answer_finish(finish, len(calls), self.tools)
+
     def response(self) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
-                index=i,
-                message=ChatResponseMessage(role="assistant", content="".join(self.texts[i])),
-                logprobs=ChoiceLogprobs(content=self.logprobs[i]) if self.want_logprobs else None,
-                finish_reason=self.finish[i] or "stop",
-            )
-            for i in range(len(self.texts))
-        ]
+        choices = []
+        for i in range(len(self.texts)):
+            message, finish = self._message(i)
+            choices.append(ChatChoice(
+                index=i, message=message, finish_reason=finish,
+                logprobs=ChoiceLogprobs(content=self.logprobs[i]) if self.want_logprobs else None))
         m = self.meta
         return ChatCompletionResponse(id=m.id, created=m.created, model=m.model, choices=choices,
                                       usage=self.usage.total(),
@@ -178,11 +314,15 @@ class ChatAssembler:
 
 
 class ChatChunker:
-    """Turns a job's deltas into stream chunks: role first, text deltas, finish, then usage."""
+    """Turns a job's deltas into stream chunks: role first, text deltas (and whole tool calls
+    as they complete), finish, then usage."""
 
-    def __init__(self, meta: ResponseMeta, n: int, token_text: TokenText, include_usage: bool):
+    def __init__(self, meta: ResponseMeta, n: int, token_text: TokenText, include_usage: bool,
+                 tools: ToolPlan | None = None):
         self.meta, self.n, self.token_text = meta, n, token_text
         self.include_usage = include_usage
+        self.tools = tools
+        self.parsers = [ToolStreamParser() for _ in range(n)] if tools is not None else None
         self.usage = UsageCounter()
 
     def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
@@ -202,10 +342,31 @@ class ChatChunker:
         finish = openai_finish_reason(delta.finish_reason)
         logprobs = (ChoiceLogprobs(content=chat_logprobs(delta.logprobs, self.token_text))
                     if delta.logprobs else None)
-        if not delta.text and logprobs is None and finish is None:
+        text, calls = delta.text, []
+        if self.parsers is not None:
+            parser = self.parsers[delta.index]
+            first = parser.calls
+            text, calls = parser.feed(delta.text)
+            if finish is not None:
+                text += parser.finish()
+                finish = _answer_finish(finish, parser.calls, self.tools)
+            calls = list(enumerate(calls, start=first))
+        if not text and logprobs is None and finish is None and not calls:
             return []  # nothing the client can see (e.g. text held back for a stop string)
-        body = ChunkDelta(content=delta.text) if delta.text or logprobs else ChunkDelta()
-        return [self._chunk([ChunkChoice(delta.index, body, logprobs, finish)])]
+        bodies: list[tuple[ChunkDelta, ChoiceLogprobs | None]] = []
+        if text or logprobs is not None:
+            bodies.append((ChunkDelta(content=text), logprobs))
+        for k, call in calls:
+            fn = FunctionCall(call.name, call.arguments)
+            if not self.tools.legacy:
+                bodies.append((ChunkDelta(tool_calls=[ToolCallDelta(k, call.id, fn)]), None))
+            elif k == 0:  # a legacy answer carries one function call
+                bodies.append((ChunkDelta(function_call=fn), None))
+        if not bodies:
+            bodies.append((ChunkDelta(), None))
+        last = len(bodies) - 1
+        return [self._chunk([ChunkChoice(delta.index, body, lp, finish if i == last else None)])
+                for i, (body, lp) in enumerate(bodies)]
 
     def finish(self) -> list[ChatCompletionChunk]:
         return [self._chunk([], self.usage.total())] if self.include_usage else []

@@ -21,9 +21,11 @@ from adapters.openai_types import (
     CompletionResponse,
 )
 from adapters.prompt_size import encode_bounded
+from adapters.structured import compile_grammar, guided_grammar, response_schema
 from adapters.token_text import TokenText
 from adapters.usage import UsageCounter
 from engine import JobDelta
+from engine.grammar import CompiledGrammar, Grammar, GrammarCompiler
 
 # OpenAI's own default for this endpoint (chat has none).
 DEFAULT_MAX_TOKENS = 16
@@ -89,10 +91,30 @@ def check_supported(req: CompletionRequest) -> None:
                                    param="logprobs")
 
 
+def completion_grammar(req: CompletionRequest,
+                       grammars: GrammarCompiler | None) -> CompiledGrammar | None:
+    """The grammar of a `guided_*` extra or a `response_format`, compiled (one per request: every
+    prompt's job shares it)."""
+    schema = response_schema(req.response_format)
+    guided = guided_grammar(req)
+    if guided is not None and schema is not None:
+        raise ApiError.bad_request(f"{guided[1]} cannot be combined with a response_format",
+                                   param=guided[1])
+    grammar = guided or ((Grammar.json_schema(schema), "response_format")
+                         if schema is not None else None)
+    if grammar is None:
+        return None
+    if grammars is None:
+        raise RuntimeError("a grammar compiler is needed for structured outputs")
+    return compile_grammar(grammars, *grammar)
+
+
 def build_completion_jobs(req: CompletionRequest, tokenizer, max_model_len: int,
-                          max_tokens_limit: int = 0) -> tuple[list[JobSpec], list[Prompt]]:
+                          max_tokens_limit: int = 0, grammars: GrammarCompiler | None = None
+                          ) -> tuple[list[JobSpec], list[Prompt]]:
     """One job per prompt; everything is checked before any job is submitted."""
     check_supported(req)
+    grammar = completion_grammar(req, grammars)
     prompts = parse_prompts(req.prompt, tokenizer, max_model_len)
     n = 1 if req.n is None else req.n
     if len(prompts) * n > MAX_CHOICES:
@@ -106,6 +128,7 @@ def build_completion_jobs(req: CompletionRequest, tokenizer, max_model_len: int,
         params = sampling_params(req, COMPLETION_NAMES, max_tokens=budget,
                                  logprobs=req.logprobs is not None,
                                  top_logprobs=req.logprobs or 0)
+        params.grammar = grammar
         jobs.append(JobSpec(p.ids, params))
     return jobs, prompts
 

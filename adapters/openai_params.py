@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from adapters.errors import ApiError, ParamNames, from_engine_error
 from adapters.openai_types import SamplingFields
+from adapters.tools import ToolPlan
 from engine import InvalidParams, SamplingParams, check_context
 from engine.config import STRATEGIES
 from engine.sampling_params import MAX_LOGIT_BIAS
@@ -23,6 +24,7 @@ class JobSpec:
 
     prompt_ids: list[int]
     params: SamplingParams
+    tools: ToolPlan | None = None  # chat: the answer may hold tool calls to parse
 
 
 @dataclass(frozen=True)

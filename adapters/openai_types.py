@@ -31,7 +31,7 @@ class ContentPart(Struct, kw_only=True):
 
 
 class ChatMessage(Struct, kw_only=True):
-    """A chat message as clients send it (tool fields are parsed so they can be refused by name)."""
+    """A chat message as clients send it, tool traffic included (adapters/openai_chat.py)."""
 
     role: str
     content: str | list[ContentPart] | None = None
@@ -73,6 +73,11 @@ class SamplingFields(Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     priority: int | None = None  # vLLM's: lower goes first (--scheduling-policy priority)
+    # vLLM's structured-output extras (adapters/structured.py): at most one per request.
+    guided_json: Any | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -83,13 +88,14 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    # Accepted so they can be refused by name (or ignored when harmless).
+    # Tools and structured outputs (adapters/tools.py, adapters/structured.py).
     tools: list[Any] | None = None
     tool_choice: Any | None = None
     functions: list[Any] | None = None
     function_call: Any | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    # Accepted so they can be refused by name (or ignored when harmless).
     audio: Any | None = None
     modalities: list[str] | None = None
     prediction: Any | None = None
@@ -109,6 +115,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
+    response_format: dict[str, Any] | None = None  # vLLM accepts it here too
 
 
 class TokenizeRequest(Struct, kw_only=True):
@@ -158,10 +165,32 @@ class ChoiceLogprobs(Struct):
     refusal: list[TokenLogprobEntry] | None = None
 
 
+class FunctionCall(Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(Struct):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
+class ToolCallDelta(Struct):
+    """A streamed call: sent whole, in one delta (the SDK's stream helpers accept that)."""
+
+    index: int
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatResponseMessage(Struct):
     role: Literal["assistant"]
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | UnsetType = UNSET
+    function_call: FunctionCall | UnsetType = UNSET  # the legacy `functions` answer
 
 
 class ChatChoice(Struct):
@@ -186,6 +215,8 @@ class ChunkDelta(Struct, omit_defaults=True):
 
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
+    function_call: FunctionCall | UnsetType = UNSET
 
 
 class ChunkChoice(Struct):

@@ -57,7 +57,8 @@ def decode(request: Request, body: bytes, type_: type[T], served: str) -> T:
 
 
 class ChatCompletionsController(Controller):
-    """POST /v1/chat/completions: chat template, system-prompt cache key, stream or JSON."""
+    """POST /v1/chat/completions: chat template, tools and structured outputs, stream or
+    JSON."""
 
     path = "/v1/chat/completions"
     guards = [require_api_key]
@@ -68,20 +69,21 @@ class ChatCompletionsController(Controller):
               ChatCompletionRequest, ChatCompletionResponse, stream=ChatCompletionChunk))
     async def create(self, request: Request, gw: Gateway) -> Response:
         def prepare(engine: Engine, body: bytes
-                    ) -> tuple[tuple[ChatCompletionRequest, int], list[JobSpec]]:
+                    ) -> tuple[tuple[ChatCompletionRequest, JobSpec], list[JobSpec]]:
             req = decode(request, body, ChatCompletionRequest, gw.model_name)
             spec = build_chat_job(req, engine.tokenizer, engine.max_model_len,
-                                  gw.settings.server.max_tokens_limit)
-            return (req, spec.params.n), [spec]
+                                  gw.settings.server.max_tokens_limit, engine.grammars)
+            return (req, spec), [spec]
 
-        (req, n), stream = await open_request(gw, request, self.path, CHAT_NAMES, prepare)
+        (req, spec), stream = await open_request(gw, request, self.path, CHAT_NAMES, prepare)
+        n = spec.params.n
         meta = ResponseMeta.new("chatcmpl", gw.model_name, gw.system_fingerprint)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            chunker = ChatChunker(meta, n, gw.token_text, include_usage)
+            chunker = ChatChunker(meta, n, gw.token_text, include_usage, spec.tools)
             return sse_response(stream, chunker.start(), lambda _, d: chunker.on_delta(d),
                                 chunker.finish, gw.settings.server.sse_ping_seconds)
-        assembler = ChatAssembler(meta, n, gw.token_text, bool(req.logprobs))
+        assembler = ChatAssembler(meta, n, gw.token_text, bool(req.logprobs), spec.tools)
         await collect(stream, request, lambda _, d: assembler.add(d))
         return json_response(assembler.response())
 
@@ -101,7 +103,8 @@ class CompletionsController(Controller):
                     ) -> tuple[tuple[CompletionRequest, list[Prompt], int], list[JobSpec]]:
             req = decode(request, body, CompletionRequest, gw.model_name)
             specs, prompts = build_completion_jobs(req, engine.tokenizer, engine.max_model_len,
-                                                   gw.settings.server.max_tokens_limit)
+                                                   gw.settings.server.max_tokens_limit,
+                                                   engine.grammars)
             return (req, prompts, specs[0].params.n), specs
 
         (req, prompts, n), stream = await open_request(gw, request, self.path, COMPLETION_NAMES,

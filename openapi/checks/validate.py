@@ -101,6 +101,8 @@ CONTRACT: tuple[Contract, ...] = (
 EXTENSIONS = {
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
     "skip_special_tokens", "priority",  # vLLM sampling and scheduling parameters
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar",  # vLLM structured outputs
+    "response_format",  # chat's, which vLLM also takes on /v1/completions
     "continuous_usage_stats",  # vLLM stream_options
     "decoding_strategy", "penalty_alpha",  # DJL / transformers contrastive search
     "max_model_len",  # vLLM's model card

@@ -34,11 +34,15 @@ def test_developer_is_system_and_text_parts_join():
     ([], "messages"),
     ([msg("user", [ContentPart(type="text", text="a"), ContentPart(type="image_url")])],
      "messages[0].content[1].type"),
-    ([msg("user", "q"), msg("tool", "r")], "messages[1].role"),
     ([msg("wizard", "q")], "messages[0].role"),
     ([msg("user", None)], "messages[0].content"),
     ([ChatMessage(role="assistant", content=None, tool_calls=[{"id": "x"}])],
-     "messages[0].tool_calls"),
+     "messages[0].tool_calls[0].function"),
+    ([ChatMessage(role="assistant", content=None, tool_calls=[
+        {"id": "x", "type": "function", "function": {"name": "f", "arguments": "{oops"}}])],
+     "messages[0].tool_calls[0].function.arguments"),
+    ([ChatMessage(role="user", content="q", tool_calls=[])], "messages[0].tool_calls"),
+    ([msg("tool", None)], "messages[0].content"),
 ])
 def test_bad_messages_name_the_parameter(messages, param):
     with pytest.raises(ApiError) as info:
@@ -47,10 +51,6 @@ def test_bad_messages_name_the_parameter(messages, param):
 
 
 @pytest.mark.parametrize(("kw", "param"), [
-    ({"tools": [{"type": "function"}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
-    ({"functions": [{"name": "f"}]}, "functions"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"audio": {"voice": "x"}}, "audio"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"top_logprobs": 2}, "top_logprobs"),

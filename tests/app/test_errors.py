@@ -40,10 +40,30 @@ CASES = [
     ("context overflow", "POST", CHAT, chat(max_tokens=9000), 400, "context_length_exceeded",
      "messages"),
     ("unknown model", "POST", CHAT, chat(model="gpt-4o"), 404, "model_not_found", "model"),
-    ("tools", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
-     "unsupported_parameter", "tools"),
-    ("json_schema", "POST", CHAT, chat(response_format={"type": "json_schema"}), 400,
-     "unsupported_parameter", "response_format"),
+    # Tools and structured outputs: each malformed piece named, nothing reaches the engine.
+    ("malformed schema", "POST", CHAT, chat(response_format={"type": "json_schema", "json_schema":
+        {"name": "x", "schema": {"type": "objectx"}}}), 400, "invalid_value", "response_format"),
+    ("json_schema without its body", "POST", CHAT, chat(response_format={"type": "json_schema"}),
+     400, "missing_required_parameter", "response_format.json_schema"),
+    ("unknown response_format", "POST", CHAT, chat(response_format={"type": "yaml"}), 400,
+     "invalid_value", "response_format.type"),
+    ("tools that are not functions", "POST", CHAT, chat(tools=[{"type": "retrieval"}]), 400,
+     "invalid_value", "tools[0].type"),
+    ("a tool schema that does not compile", "POST", CHAT, chat(tools=[{"type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {
+            "type": "string", "pattern": "(("}}}}}]), 400, "invalid_value",
+     "tools[0].function.parameters"),
+    ("tool_choice naming a missing tool", "POST", CHAT, chat(tools=[{"type": "function",
+        "function": {"name": "f"}}], tool_choice={"type": "function", "function": {
+            "name": "g"}}), 400, "invalid_value", "tool_choice"),
+    ("call arguments that are not JSON", "POST", CHAT, {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "f", "arguments": "{city: Paris"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]}, 400, "invalid_value",
+     "messages[1].tool_calls[0].function.arguments"),
+    ("a bad guided regex", "POST", "/v1/completions", {"prompt": "x", "guided_regex": "(("},
+     400, "invalid_value", "guided_regex"),
     ("image part", "POST", CHAT, {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400,
      "unsupported_parameter", "messages[0].content[0].type"),
