@@ -102,7 +102,7 @@ def guided_grammar(fields: Any) -> tuple[Grammar, str] | None:
         return Grammar.choice(value), name
     if not isinstance(value, str) or not value:
         raise ApiError.bad_request(f"{name} must be a non-empty string", param=name)
-    return (Grammar.regex(value) if name == "guided_regex" else Grammar.lark(value)), name
+    return (Grammar.regex(value) if name == "guided_regex" else Grammar.lark_or_gbnf(value)), name
 
 
 def compile_grammar(compiler: GrammarCompiler, grammar: Grammar, param: str) -> CompiledGrammar:

@@ -48,15 +48,16 @@ class InvalidGrammar(InvalidParams):
 
 @dataclass(frozen=True)
 class Grammar:
-    """What a constrained output must match. `source` is canonical text, so equal grammars are
-    equal keys in the compile cache."""
+    """What a constrained output must match. `source` is the grammar as text, the key of the
+    compile cache. (A schema's keys keep their order: properties are generated in the order the
+    schema lists them, so two orderings are two grammars.)"""
 
-    kind: str  # json_schema | regex | choice | lark
+    kind: str  # json_schema | regex | choice | lark | grammar (Lark or GBNF, llguidance decides)
     source: str
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | bool) -> Grammar:
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")))
 
     @classmethod
     def json_object(cls) -> Grammar:
@@ -75,6 +76,11 @@ class Grammar:
     def lark(cls, text: str) -> Grammar:
         return cls("lark", text)
 
+    @classmethod
+    def lark_or_gbnf(cls, text: str) -> Grammar:
+        """A client's grammar: Lark, or llama.cpp's GBNF (converted to Lark by llguidance)."""
+        return cls("grammar", text)
+
     def llguidance_text(self) -> str:
         """The grammar in llguidance's own serialisation."""
         try:
@@ -88,6 +94,8 @@ class Grammar:
                     "start: " + " | ".join(json.dumps(o) for o in options))
             if self.kind == "lark":
                 return LLMatcher.grammar_from_lark(self.source)
+            if self.kind == "grammar":
+                return llguidance.grammar_from("grammar", self.source)
         except ValueError as exc:
             raise InvalidGrammar(str(exc)) from None
         raise ValueError(f"unknown grammar kind {self.kind!r}")

@@ -100,6 +100,8 @@ def test_json_object_streams_one_object(live_server, schema_errors):
     ("Is water wet? As JSON:", {"guided_json": {
         "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
         "additionalProperties": False}}, lambda t: isinstance(json.loads(t)["ok"], bool)),
+    ("Is the sky blue?", {"guided_grammar": 'root ::= "yes" | "no"'},
+     lambda t: t in ("yes", "no")),
     ('A JSON object: {"answer":', {"response_format": {"type": "json_object"}},
      lambda t: isinstance(json.loads(t), dict)),
 ])
