@@ -21,7 +21,8 @@ openapi-check:
 # prompt-cache and splitting scenarios, greedy agreement; writes bench/results/serving.json and
 # docs/benchmarks.md (+ docs/benchmarks/*.png), after the scheduler scenarios (bench.stall: long
 # prompts arriving while streams decode; bench.multiturn: the radix prefix cache on three-turn
-# chats; their reports go to docs/benchmarks/*.md and into docs/benchmarks.md). About an hour on
+# chats; bench.structured: JSON-schema requests against the same requests without a schema;
+# their reports go to docs/benchmarks/*.md and into docs/benchmarks.md). About an hour on
 # 2 cores. The peer without
 # continuous batching serves one request at a time, so its concurrency 32 and 64 cells are
 # skipped by default (they would only queue, for another half hour).
@@ -31,7 +32,8 @@ bench:
 	bash scripts/install.sh dev,bench
 	case "$(BENCH_ARGS)" in *--quick*) ;; *) \
 	  $(PYTHON) -m bench.stall --doc docs/benchmarks/stall.md && \
-	  $(PYTHON) -m bench.multiturn --doc docs/benchmarks/multiturn.md ;; esac
+	  $(PYTHON) -m bench.multiturn --doc docs/benchmarks/multiturn.md && \
+	  $(PYTHON) -m bench.structured --doc docs/benchmarks/structured.md ;; esac
 	$(PYTHON) -m bench.serving $(BENCH_ARGS)
 	case "$(BENCH_ARGS)" in *--quick*) ;; *) cp bench/results/serving.json docs/benchmarks/ ;; esac
 

@@ -316,16 +316,17 @@ def render(data: dict, doc: Path) -> str:
                      + scheduler_section(doc) + ["## Notes on the peer", "", PEER_NOTES])
 
 
-# Written beside the plots by bench.stall and bench.multiturn; scheduler.md is kept by hand
-# (before/after comparisons across commits, which one run of `make bench` cannot make).
-SCENARIOS = ("stall.md", "multiturn.md", "scheduler.md")
+# Written beside the plots by bench.stall, bench.multiturn and bench.structured; scheduler.md is
+# kept by hand (before/after comparisons across commits, which one run of `make bench` cannot
+# make); grammar.md by bench.grammar (the grammar libraries compared, run by hand).
+SCENARIOS = ("stall.md", "multiturn.md", "scheduler.md", "structured.md", "grammar.md")
 
 
 def scheduler_section(doc: Path) -> list[str]:
     """The scheduler scenarios' reports (`make bench` runs them before this report)."""
     parts = [(doc.parent / "benchmarks" / name) for name in SCENARIOS]
     parts = [p.read_text().strip() for p in parts if p.exists()]
-    return ["## Scheduler scenarios (issue 10)", "", *parts, ""] if parts else []
+    return ["## Scheduler and structured-output scenarios", "", *parts, ""] if parts else []
 
 
 def _first_last(text: str) -> str:

@@ -1,0 +1,242 @@
+"""What structured outputs cost the batch (issue 11): JSON-schema requests against the same requests
+without a schema, and what a never-seen schema adds to its own first token and to other streams.
+
+    python -m bench.structured [--concurrency 32] [--requests 96] [--max-tokens 96]
+                               [--fresh 8] [--streams 16] [--doc docs/benchmarks/structured.md]
+
+Starts seqgate (`python -m app serve`) on a free loopback port.
+
+1. Throughput: `--requests` ShareGPT first turns at `--concurrency`, streamed, greedy, twice:
+   without `response_format`, and with a JSON-schema `response_format` (a title, one to three
+   enum tags, and an answer string of at least `ANSWER_MIN_CHARS` characters). The answer's
+   minimum length keeps every constrained request generating until `--max-tokens`, and the free
+   requests ignore EOS, so both runs generate the same number of tokens and the ratio of output
+   tokens/s is the cost of constraining (target: at least 0.85). The per-token mask cost comes
+   from the server's own counters (seqgate_grammar_mask_seconds / seqgate_grammar_masked_tokens).
+2. New schemas: while `--streams` free streams decode, `--fresh` requests each bring a schema the
+   server has never seen (distinct property names), one after another; then the same requests are
+   sent again (their schemas now compiled and cached). Reported: their TTFT both times (the
+   difference is what compiling adds) and every stream's largest inter-token gap over its median
+   while the new schemas arrive (compiling happens on request threads, not the engine's, so this
+   should stay near a normal step's variation).
+
+Both phases alternate nothing and run one server; figures compare within this run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+
+from bench import provenance
+from bench.large_body import StreamTrace, start_server
+from bench.loadgen import closed_loop
+from bench.scrape import scrape
+from bench.servers import free_port, local_model_dir
+from bench.sharegpt import load_requests
+
+ANSWER_MIN_CHARS = 4000  # longer than any --max-tokens answer: constrained requests run to length
+
+
+def answer_schema(suffix: str = "") -> dict:
+    """The schema every constrained request carries; `suffix` renames its properties, which makes
+    a schema the server has not compiled yet."""
+    return {"type": "object", "properties": {
+        f"title{suffix}": {"type": "string", "maxLength": 80},
+        f"tags{suffix}": {"type": "array", "minItems": 1, "maxItems": 3,
+                          "items": {"enum": ["question", "code", "writing", "math", "other"]}},
+        f"answer{suffix}": {"type": "string", "minLength": ANSWER_MIN_CHARS}},
+        "required": [f"title{suffix}", f"tags{suffix}", f"answer{suffix}"],
+        "additionalProperties": False}
+
+
+def response_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
+                                                   "strict": True}}
+
+
+def bodies(messages: list[list[dict]], max_tokens: int, constrained: bool) -> list[dict]:
+    base = {"max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if constrained:
+        extra = {"response_format": response_format(answer_schema())}
+    else:
+        extra = {"ignore_eos": True}
+    return [{"messages": m, **base, **extra} for m in messages]
+
+
+def throughput(url: str, messages: list[list[dict]], max_tokens: int, concurrency: int,
+               constrained: bool) -> dict:
+    before = scrape(url)
+    results, wall = asyncio.run(closed_loop(url, "/v1/chat/completions",
+                                            bodies(messages, max_tokens, constrained),
+                                            concurrency))
+    after = scrape(url)
+    failed = [r.error for r in results if not r.ok]
+    tokens = sum(r.output_tokens for r in results if r.ok)
+    ttfts = sorted(r.ttft for r in results if r.ttft is not None)
+    masked = after.get("seqgate_grammar_masked_tokens_total", 0) - \
+        before.get("seqgate_grammar_masked_tokens_total", 0)
+    mask_s = after.get("seqgate_grammar_mask_seconds_total", 0) - \
+        before.get("seqgate_grammar_mask_seconds_total", 0)
+    return {"constrained": constrained, "requests": len(results), "failed": len(failed),
+            "errors": failed[:3], "output_tokens": tokens, "wall_s": round(wall, 2),
+            "output_tokens_per_s": round(tokens / wall, 2),
+            "finish_reasons": dict(sorted(_count(r.finish_reason for r in results).items())),
+            "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
+            "masked_tokens": int(masked),
+            "mask_us_per_token": round(mask_s / masked * 1e6, 1) if masked else None}
+
+
+def _count(values) -> dict:
+    out: dict = {}
+    for v in values:
+        out[str(v)] = out.get(str(v), 0) + 1
+    return out
+
+
+async def _free_stream(client: httpx.AsyncClient, messages: list[dict], trace: StreamTrace,
+                       max_tokens: int) -> None:
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "logprobs": True, "stream": True}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and '"logprobs":{' in line:
+                trace.times.append(time.perf_counter())
+
+
+async def _ttft(client: httpx.AsyncClient, messages: list[dict], schema: dict) -> float:
+    body = {"messages": messages, "max_tokens": 4, "temperature": 0, "stream": True,
+            "response_format": response_format(schema)}
+    sent = time.perf_counter()
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and '"content":""' not in line:
+                return time.perf_counter() - sent
+    raise RuntimeError("no content came back")
+
+
+async def new_schemas(url: str, streams: list[list[dict]], probe: list[dict], fresh: int,
+                      stream_tokens: int) -> dict:
+    limits = httpx.Limits(max_connections=len(streams) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        traces = [StreamTrace() for _ in streams]
+        tasks = [asyncio.create_task(_free_stream(client, m, t, stream_tokens))
+                 for m, t in zip(streams, traces)]
+        while min(len(t.times) for t in traces) < 5:
+            if any(t.done() for t in tasks):
+                await asyncio.gather(*tasks)
+            await asyncio.sleep(0.02)
+        start = time.perf_counter()
+        schemas = [answer_schema(f"_{time.time_ns()}_{i}") for i in range(fresh)]
+        first = [await _ttft(client, probe, s) for s in schemas]
+        end = time.perf_counter()
+        cached = [await _ttft(client, probe, s) for s in schemas]
+        await asyncio.gather(*tasks)
+    ratios = []
+    for t in traces:
+        during = t.gaps(start, end)
+        if during:
+            ratios.append(max(during) / statistics.median(t.gaps()))
+    return {"fresh_ttft_s": [round(x, 3) for x in first],
+            "cached_ttft_s": [round(x, 3) for x in cached],
+            "fresh_ttft_p50_s": round(statistics.median(first), 3),
+            "cached_ttft_p50_s": round(statistics.median(cached), 3),
+            "added_by_compiling_p50_ms": round((statistics.median(first)
+                                                - statistics.median(cached)) * 1e3, 1),
+            "streams_worst_gap_over_median": round(max(ratios), 2) if ratios else None,
+            "streams_median_gap_over_median": round(statistics.median(ratios), 2)
+            if ratios else None,
+            "window_s": round(end - start, 2)}
+
+
+def report(data: dict) -> str:
+    free, constrained = data["throughput"]
+    ratio = constrained["output_tokens_per_s"] / free["output_tokens_per_s"]
+    verdict = "met" if ratio >= 0.85 else "not met"
+    lines = ["| run | requests | output tokens | wall | output tokens/s | TTFT p50 | finish "
+             "reasons | mask cost per token |", "|---|---|---|---|---|---|---|---|"]
+    for r in (free, constrained):
+        name = "JSON schema" if r["constrained"] else "no schema (ignore_eos)"
+        mask = f"{r['mask_us_per_token']} µs" if r["mask_us_per_token"] is not None else "-"
+        lines.append(f"| {name} | {r['requests']} ({r['failed']} failed) | {r['output_tokens']} "
+                     f"| {r['wall_s']} s | {r['output_tokens_per_s']} | {r['ttft_p50_s']} s "
+                     f"| {r['finish_reasons']} | {mask} |")
+    lines.append(f"\nConstrained / free output tokens/s: **{ratio:.3f}** (target >= 0.85: "
+                 f"{verdict}).")
+    n = data["new_schemas"]
+    lines.append(
+        f"\nNever-seen schemas ({len(n['fresh_ttft_s'])}, one after another, while "
+        f"{data['meta']['args']['streams']} streams decode): TTFT p50 {n['fresh_ttft_p50_s']} s "
+        f"when new, {n['cached_ttft_p50_s']} s once cached (compiling adds "
+        f"{n['added_by_compiling_p50_ms']} ms at the median). The decoding streams' largest "
+        f"inter-token gap over their median during those requests: worst stream "
+        f"{n['streams_worst_gap_over_median']}×, median stream "
+        f"{n['streams_median_gap_over_median']}×.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--fresh", type=int, default=8)
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--stream-tokens", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--server-arg", action="append", default=[])
+    ap.add_argument("--out", type=Path, default=Path("bench/results/structured.json"))
+    ap.add_argument("--doc", type=Path, default=None)
+    args = ap.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(local_model_dir())
+    reqs = load_requests(tokenizer, args.requests + args.streams + 1, seed=args.seed,
+                         min_prompt=16, max_prompt=512)
+    messages = [r.messages for r in reqs]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(None, port, ["--max-rolling-batch-size", str(args.concurrency),
+                                     *args.server_arg])
+    try:
+        work = messages[: args.requests]
+        asyncio.run(closed_loop(url, "/v1/chat/completions",
+                                bodies(work[:8], 8, True) + bodies(work[:8], 8, False), 8))
+        runs = [throughput(url, work, args.max_tokens, args.concurrency, c)
+                for c in (False, True)]
+        fresh = asyncio.run(new_schemas(url, messages[args.requests:-1], messages[-1],
+                                        args.fresh, args.stream_tokens))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    data = {"meta": {"command": provenance.command(argv, "bench.structured"),
+                     "machine": provenance.machine(), "versions": provenance.versions(),
+                     "args": {k: str(v) if isinstance(v, Path) else v
+                              for k, v in vars(args).items()}, "finished": provenance.now()},
+            "throughput": runs, "new_schemas": fresh}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(data, indent=1) + "\n")
+    text = report(data)
+    print(text)
+    if args.doc is not None:
+        m = data["meta"]["machine"]
+        args.doc.parent.mkdir(parents=True, exist_ok=True)
+        args.doc.write_text(
+            f"### Structured outputs under load\n\n`{data['meta']['command']}`: "
+            f"{args.requests} ShareGPT chats at concurrency {args.concurrency}, "
+            f"{args.max_tokens} tokens each. {m.get('cpu')}, {m.get('cores_available')} cores, "
+            f"{data['meta']['finished']}.\n\n{text}\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
