@@ -6,7 +6,7 @@ import json
 
 import jsonschema
 
-from bench.structured import ANSWER_MIN_CHARS, answer_schema, bodies, report
+from bench.structured import ANSWER_MIN_CHARS, answer_schema, bodies, pooled, report
 
 
 def test_schemas_force_full_length_answers_and_differ_by_suffix():
@@ -41,3 +41,17 @@ def test_report_states_the_ratio_and_the_compile_cost():
     text = report(json.loads(json.dumps(data)))
     assert "**0.900** (target >= 0.85: met)" in text
     assert "120.5 µs" in text and "compiling adds 50.0 ms" in text
+
+
+def test_runs_of_a_kind_pool():
+    runs = [{"constrained": True, "requests": 4, "failed": 0, "output_tokens": 400,
+             "wall_s": 10.0, "finish_reasons": {"length": 4}, "ttft_p50_s": 0.5,
+             "mask_us_per_token": 100.0},
+            {"constrained": True, "requests": 4, "failed": 1, "output_tokens": 300,
+             "wall_s": 5.0, "finish_reasons": {"length": 3, "None": 1}, "ttft_p50_s": 0.3,
+             "mask_us_per_token": 120.0}]
+    p = pooled(runs)
+    assert (p["requests"], p["failed"], p["output_tokens"], p["wall_s"]) == (8, 1, 700, 15.0)
+    assert p["output_tokens_per_s"] == round(700 / 15, 2)
+    assert p["finish_reasons"] == {"length": 7, "None": 1}
+    assert p["ttft_p50_s"] == 0.4 and p["mask_us_per_token"] == 110.0
