@@ -37,10 +37,13 @@ def test_report_states_the_ratio_and_the_compile_cost():
                             "fresh_ttft_p50_s": 0.25, "cached_ttft_p50_s": 0.2,
                             "added_by_compiling_p50_ms": 50.0,
                             "streams_worst_gap_over_median": 1.4,
-                            "streams_median_gap_over_median": 1.2}}
+                            "streams_median_gap_over_median": 1.2,
+                            "cached_streams_worst_gap_over_median": 1.3,
+                            "cached_streams_median_gap_over_median": 1.1}}
     text = report(json.loads(json.dumps(data)))
     assert "**0.900** (target >= 0.85: met)" in text
     assert "120.5 µs" in text and "compiling adds 50.0 ms" in text
+    assert "worst stream 1.4×" in text and "cached: 1.3× and 1.1×" in text
 
 
 def test_runs_of_a_kind_pool():
