@@ -272,3 +272,18 @@ def write_json(name: str, data: dict, path: Path | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
     return path
+
+
+def publish(data: dict, out: Path, report: str, doc: Path | None, heading: str,
+            workload: str) -> None:
+    """Write the results to `out` (JSON) and print the report; with `doc`, also write it as a
+    markdown section: `heading`, the command that measured it, `workload`, the machine."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    print(report)
+    if doc is not None:
+        meta, m = data["meta"], data["meta"]["machine"]
+        doc.parent.mkdir(parents=True, exist_ok=True)
+        doc.write_text(f"### {heading}\n\n`{meta['command']}`: {workload} {m.get('cpu')}, "
+                       f"{m.get('cores_available')} cores, {meta['finished']}.\n\n{report}\n")
+    print(f"wrote {out}")

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from bench import provenance
+from bench.common import publish
 from bench.servers import local_model_dir
 from engine.grammar import JSON_STYLE, unpack_bitmask
 
@@ -245,18 +246,8 @@ def main(argv: list[str] | None = None) -> None:
                      "machine": provenance.machine(), "finished": provenance.now()},
             "libraries": libraries, "missing": missing, "rows": rows,
             "apply_ms": apply_times(vocab), "installed_mib": installed_mib()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, indent=1) + "\n")
-    text = report(data)
-    print(text)
-    if args.doc is not None:
-        m = data["meta"]["machine"]
-        args.doc.parent.mkdir(parents=True, exist_ok=True)
-        args.doc.write_text(f"### Grammar libraries on our workload\n\n`{data['meta']['command']}`"
-                            f": SmolLM2's tokenizer ({vocab} tokens). {m.get('cpu')}, "
-                            f"{m.get('cores_available')} cores, {data['meta']['finished']}."
-                            f"\n\n{text}\n")
-
+    publish(data, args.out, report(data), args.doc, "Grammar libraries on our workload",
+            f"SmolLM2's tokenizer ({vocab} tokens).")
 
 if __name__ == "__main__":
     main()

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from pathlib import Path
 import httpx
 
 from bench import provenance
+from bench.common import publish
 from bench.large_body import StreamTrace, start_server
 from bench.loadgen import closed_loop
 from bench.scrape import scrape
@@ -263,21 +263,10 @@ def main(argv: list[str] | None = None) -> None:
             "runs": runs, "throughput": [pooled([r for r in runs if r["constrained"] == c])
                                          for c in (False, True)],
             "new_schemas": fresh}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, indent=1) + "\n")
-    text = report(data)
-    print(text)
-    if args.doc is not None:
-        m = data["meta"]["machine"]
-        args.doc.parent.mkdir(parents=True, exist_ok=True)
-        args.doc.write_text(
-            f"### Structured outputs under load\n\n`{data['meta']['command']}`: "
+    publish(data, args.out, report(data), args.doc, "Structured outputs under load",
             f"{args.requests} ShareGPT chats at concurrency {args.concurrency}, "
             f"{args.max_tokens} tokens each, prefix cache off, each kind run twice (free, "
-            f"constrained, constrained, free). {m.get('cpu')}, {m.get('cores_available')} cores, "
-            f"{data['meta']['finished']}.\n\n{text}\n")
-    print(f"wrote {args.out}")
-
+            f"constrained, constrained, free).")
 
 if __name__ == "__main__":
     main()
