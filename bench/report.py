@@ -22,6 +22,11 @@ from bench.common import markdown_table
 from bench.figures import geomean, mean_of, paired_ratios, pooled, ratio
 
 PEER_NOTES = """\
+- llama.cpp's server (the `xllamacpp` wheel, `bench/llamacpp_server.py`) serves the GGUF that
+  seqgate embeds and computes with its Q4_1 weights; seqgate de-quantises that file and computes
+  in its own dtype, so the two run the same weights at different precisions (llama.cpp's
+  arithmetic is cheaper per token, and its greedy texts differ from seqgate's). It gets one slot
+  per concurrent request, each with 2,048 tokens of context, and 2 threads.
 - `transformers serve` pins the model given as FORCE_MODEL: a request must name exactly that string
   (here the model directory) or no model. Its `GET /v1/models` answers 500 when there is no hub
   cache to scan, so readiness is polled on `/health`, which answers once the model is loaded.
@@ -248,6 +253,14 @@ def targets_section(ratios: dict, cache_speedup: float | None, split: dict) -> l
         if r1:
             t = r1["tokens_per_s"]
             add(f"c=1 output tok/s vs {peer}", t, "≥ 1.3×", None if t is None else t >= 1.3)
+    r1, r32 = ratios.get(("llama.cpp", 1)), ratios.get(("llama.cpp", 32))
+    if r1 and r1["tokens_per_s"] is not None:  # issue 12's targets against the CPU user's peer
+        add("c=1 output tok/s vs llama.cpp", r1["tokens_per_s"], "≥ 0.7×",
+            r1["tokens_per_s"] >= 0.7)
+    if r32:
+        t, f = r32["tokens_per_s"], r32["ttft_p50"]
+        add("c=32 output tok/s vs llama.cpp", t, "≥ 3.5×", None if t is None else t >= 3.5)
+        add("c=32 TTFT p50 vs llama.cpp", f, "≤ 1×", None if f is None else f <= 1)
     if cache_speedup is not None:
         add("prompt cache: TTFT p50 off / on", cache_speedup, "≥ 3×", cache_speedup >= 3)
     base = split.get("max_splits=1")

@@ -5,6 +5,9 @@ safetensors copy of SmolLM2-135M-Instruct (the one seqgate's loader de-quantises
 into), so both sides load the same weights:
   seqgate          `seqgate serve --model DIR --device cpu --port P [extra flags]`
   transformers     `transformers serve DIR --device cpu --port P [--continuous-batching]`
+  llama.cpp        `python -m bench.llamacpp_server --port P --parallel C` (xllamacpp, on the
+                   GGUF that seqgate embeds, which seqgate de-quantises into DIR; one slot per
+                   concurrent request, 2 threads)
 The peer pins DIR as its FORCE_MODEL: requests must name exactly DIR (or no model), its
 /v1/models answers 500 without a hub cache, so readiness is polled on /health, which only answers
 once the forced model is loaded. Stop: SIGTERM, then SIGKILL after a timeout. Memory: the peak RSS
@@ -14,6 +17,7 @@ RSS sampled while a workload runs (which leaves out the peak of loading the mode
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -34,7 +38,7 @@ class ServerSpec:
     """One server configuration: its label in the results and how to launch it."""
 
     label: str  # e.g. "seqgate", "tf-serve", "tf-serve-cb", "seqgate cache off"
-    kind: str  # "seqgate" | "transformers"
+    kind: str  # "seqgate" | "transformers" | "llamacpp"
     extra_args: tuple[str, ...] = ()
     ready_path: str = "/health"
 
@@ -45,17 +49,32 @@ class ServerSpec:
         if self.kind == "transformers":
             return [_venv_script("transformers"), "serve", str(model_dir), "--device", "cpu",
                     "--host", "127.0.0.1", "--port", str(port), *self.extra_args]
+        if self.kind == "llamacpp":
+            return [sys.executable, "-m", "bench.llamacpp_server", "--port", str(port),
+                    *self.extra_args]
         raise ValueError(f"unknown server kind {self.kind!r}")
 
     def request_model(self, model_dir: Path, served_name: str | None) -> str | None:
-        """The `model` to put in requests: the peer accepts only its FORCE_MODEL string."""
-        return str(model_dir) if self.kind == "transformers" else served_name
+        """The `model` to put in requests: transformers serve accepts only its FORCE_MODEL
+        string; llama.cpp serves one model whatever the request names (left out)."""
+        if self.kind == "transformers":
+            return str(model_dir)
+        return None if self.kind == "llamacpp" else served_name
+
+    def for_concurrency(self, concurrency: int) -> ServerSpec:
+        """The spec for a run at `concurrency`: llama.cpp gets one slot per concurrent request
+        (its slots are its batch; more would only take memory)."""
+        if self.kind != "llamacpp":
+            return self
+        return dataclasses.replace(self, extra_args=("--parallel", str(concurrency),
+                                                     *self.extra_args))
 
 
 SEQGATE = ServerSpec("seqgate", "seqgate")
 TF_SERVE = ServerSpec("tf-serve", "transformers")
 TF_SERVE_CB = ServerSpec("tf-serve-cb", "transformers", ("--continuous-batching",))
-SWEEP_SERVERS = {s.label: s for s in (SEQGATE, TF_SERVE, TF_SERVE_CB)}
+LLAMA_CPP = ServerSpec("llama.cpp", "llamacpp")
+SWEEP_SERVERS = {s.label: s for s in (SEQGATE, TF_SERVE, TF_SERVE_CB, LLAMA_CPP)}
 
 
 def _venv_script(name: str) -> str:

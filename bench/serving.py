@@ -7,7 +7,9 @@
 Every run starts its server on a free 127.0.0.1 port (bench/servers.py), warms it with two short
 requests, runs a closed loop of streamed greedy chats (bench/loadgen.py), reads its memory and
 stops it. Servers serve the same local SmolLM2 copy on the CPU: seqgate with its defaults,
-`transformers serve` without (tf-serve) and with --continuous-batching (tf-serve-cb).
+`transformers serve` without (tf-serve) and with --continuous-batching (tf-serve-cb); llama.cpp's
+server (xllamacpp) serves the GGUF that copy was de-quantised from, one slot per concurrent
+request.
 
 Phases:
   sweep      ShareGPT requests (first human turn; first reply's tokens as max_tokens, capped;
@@ -243,8 +245,8 @@ class Bench:
                 for spec in self.sweep_servers():
                     if f"{spec.label}@{conc}" in self.args.skip:
                         continue
-                    self.record("sweep", spec, CHAT_PATH, sweep_bodies(reqs[:n]), conc,
-                                repeat=rep)
+                    self.record("sweep", spec.for_concurrency(conc), CHAT_PATH,
+                                sweep_bodies(reqs[:n]), conc, repeat=rep)
 
     def run_agreement(self) -> None:
         reqs = self.requests(self.args.agreement_prompts)
