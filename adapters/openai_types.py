@@ -325,6 +325,9 @@ def decode_request(body: bytes, type_: type[T]) -> tuple[T, list[str]]:
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # JSON text is UTF-8
         raise ApiError.bad_request(f"The request body is not valid JSON: {exc}",
                                    code="invalid_json") from None
+    except RecursionError:  # msgspec's own bound on nesting
+        raise ApiError.bad_request("The request body nests too deeply to decode.",
+                                   code="invalid_json") from None
     if not isinstance(raw, dict):
         raise ApiError.bad_request("The request body must be a JSON object.", code="invalid_json")
     known = type_.__struct_fields__

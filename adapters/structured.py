@@ -14,6 +14,7 @@ from adapters.errors import ApiError
 from engine.grammar import CompiledGrammar, Grammar, GrammarCompiler, InvalidGrammar
 
 MAX_CHOICES = 256  # guided_choice options
+MAX_SCHEMA_DEPTH = 64  # nesting of a schema's JSON (a pydantic model nested 10 deep uses ~30)
 _SCHEMA_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
 
@@ -47,11 +48,25 @@ def response_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | 
     if not isinstance(schema, dict):
         raise ApiError.bad_request("response_format.json_schema.schema must be a JSON schema "
                                    "object", param="response_format.json_schema.schema")
+    check_depth(schema, "response_format.json_schema.schema")
     return closed(schema) if spec.get("strict") else schema
 
 
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def check_depth(value: Any, param: str) -> None:
+    """400 naming `param` when `value` nests deeper than MAX_SCHEMA_DEPTH (what follows walks
+    schemas recursively; a deeper one would exhaust the interpreter's stack)."""
+    level, depth = [value], 0
+    while level:
+        depth += 1
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ApiError.bad_request(f"{param} nests deeper than {MAX_SCHEMA_DEPTH} levels",
+                                       param=param)
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x)
+                 if isinstance(v, dict | list)]
 
 
 def closed(schema: Any) -> Any:
@@ -93,6 +108,7 @@ def guided_grammar(fields: Any) -> tuple[Grammar, str] | None:
         if not isinstance(value, dict | bool):
             raise ApiError.bad_request("guided_json must be a JSON schema (an object or its "
                                        "JSON text)", param=name)
+        check_depth(value, name)
         return Grammar.json_schema(value), name
     if name == "guided_choice":
         if (not isinstance(value, list) or not value or len(value) > MAX_CHOICES

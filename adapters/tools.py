@@ -34,7 +34,7 @@ from typing import Any
 
 from adapters.errors import ApiError
 from adapters.limits import MAX_TOOLS
-from adapters.structured import closed
+from adapters.structured import check_depth, closed
 from engine.grammar import JSON_STYLE
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -96,6 +96,7 @@ def _tool(obj: Any, where: str) -> Tool:
     if not isinstance(parameters, dict):
         raise ApiError.bad_request(f"{where}.parameters must be a JSON schema object",
                                    param=f"{where}.parameters")
+    check_depth(parameters, f"{where}.parameters")
     return Tool(name, description, parameters)
 
 

@@ -34,6 +34,15 @@ from llguidance.torch import fill_next_token_bitmask_par
 from engine.sampling_params import InvalidParams
 
 GRAMMAR_CACHE_ENTRIES = 256
+# Bounds on the work one grammar may cost (llguidance's defaults are 4x looser): a regex such as
+# (a{1000}){1000} took 190 ms per mask with them, on the engine thread; 47 ms with these, and the
+# mask-cost check below refuses it at compile. Measured normal grammars (nested schemas, tool
+# calls, 20k-value enums) stay under 1 ms per mask with either.
+PARSER_LIMITS = dict(step_lexer_fuel=50_000, max_lexer_states=20_000, initial_lexer_fuel=300_000,
+                     step_max_items=20_000)
+# A grammar whose start-state mask (after its one-time set-up) costs more CPU than this is refused:
+# every step would pay about as much, on the engine thread.
+MAX_MASK_SECONDS = 0.02
 # JSON is written as json.dumps writes it: `{"a": 1, "b": [2, 3]}`. llguidance's default lets the
 # model put any whitespace between tokens, and a small model sampling at temperature 1 then fills
 # the answer with blank lines until its token budget ends. A schema's own "x-guidance" wins.
@@ -126,9 +135,9 @@ class GrammarCompiler:
         self._eos_ids = eos_ids
         self._capacity = capacity
         self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use (~0.3 s)
-        self._cache: OrderedDict[Grammar, CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[Grammar, CompiledGrammar | InvalidGrammar] = OrderedDict()
         self._lock = threading.Lock()
-        self.compiled = 0  # grammars compiled (cache misses)
+        self.compiled = 0  # grammars compiled or refused (cache misses)
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
@@ -142,27 +151,48 @@ class GrammarCompiler:
 
         Building drops the GIL (llguidance), so a compile on a request thread does not hold up
         the engine thread; the first mask is computed here, where its lazy set-up costs nothing
-        to the running batch.
+        to the running batch. Refusals are cached too: a grammar that took a second to refuse
+        costs that second once.
         """
         with self._lock:
             hit = self._cache.get(grammar)
             if hit is not None:
                 self._cache.move_to_end(grammar)
-                return hit
+        if isinstance(hit, InvalidGrammar):
+            raise hit
+        if hit is not None:
+            return hit
+        try:
+            result: CompiledGrammar | InvalidGrammar = CompiledGrammar(grammar,
+                                                                        self._build(grammar))
+        except InvalidGrammar as exc:
+            result = exc
+        with self._lock:
+            self.compiled += 1
+            self._cache[grammar] = result
+            while len(self._cache) > self._capacity:
+                self._cache.popitem(last=False)
+        if isinstance(result, InvalidGrammar):
+            raise result
+        return result
+
+    def _build(self, grammar: Grammar) -> LLMatcher:
+        """A matcher at the grammar's start, its lexer set up and its mask cost checked."""
         text = grammar.llguidance_text()
-        matcher = LLMatcher(self._llg_tokenizer(), text, log_level=0)
+        matcher = LLMatcher(self._llg_tokenizer(), text, log_level=0,
+                            limits=llguidance.LLParserLimits(**PARSER_LIMITS))
         if matcher.is_error():
             raise InvalidGrammar(matcher.get_error())
         matcher.compute_bitmask()  # the lexer's lazy set-up, paid here
+        t0 = time.thread_time()  # CPU time: a busy machine does not make a grammar expensive
+        matcher.compute_bitmask()  # what a step will pay, set-up done
+        cost = time.thread_time() - t0
         if matcher.is_error():
             raise InvalidGrammar(matcher.get_error())
-        compiled = CompiledGrammar(grammar, matcher)
-        with self._lock:
-            self.compiled += 1
-            self._cache[grammar] = compiled
-            while len(self._cache) > self._capacity:
-                self._cache.popitem(last=False)
-        return compiled
+        if cost > MAX_MASK_SECONDS:
+            raise InvalidGrammar(f"too expensive to enforce: a token mask takes {cost * 1e3:.0f} "
+                                 f"ms of CPU (the limit is {MAX_MASK_SECONDS * 1e3:.0f} ms)")
+        return matcher
 
     def __len__(self) -> int:
         return len(self._cache)

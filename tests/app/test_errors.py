@@ -64,6 +64,14 @@ CASES = [
      "messages[1].tool_calls[0].function.arguments"),
     ("a bad guided regex", "POST", "/v1/completions", {"prompt": "x", "guided_regex": "(("},
      400, "invalid_value", "guided_regex"),
+    ("a regex too costly per token", "POST", "/v1/completions", {
+        "prompt": "x", "guided_regex": "(a{1000}){1000}"}, 400, "invalid_value", "guided_regex"),
+    ("a schema nested 100 deep", "POST", CHAT, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": json.loads(
+            '{"items": ' * 100 + "{}" + "}" * 100)}}), 400, "invalid_value",
+     "response_format.json_schema.schema"),
+    ("a body nested 100,000 deep", "POST", CHAT, b'{"messages": ' + b"[" * 100_000
+     + b"]" * 100_000 + b"}", 400, "invalid_json", None),
     ("image part", "POST", CHAT, {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400,
      "unsupported_parameter", "messages[0].content[0].type"),

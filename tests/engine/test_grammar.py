@@ -124,6 +124,20 @@ def test_grammars_compile_once_and_bad_ones_are_refused(smollm2):
                 Grammar.json_schema({"$ref": "#/nowhere"}), Grammar.lark("start: undefined_rule")):
         with pytest.raises(InvalidGrammar):
             compiler.compile(bad)
+    compiled = compiler.compiled
+    with pytest.raises(InvalidGrammar):
+        compiler.compile(Grammar.lark("start: undefined_rule"))
+    assert compiler.compiled == compiled  # the refusal came from the cache
+
+
+def test_a_grammar_too_costly_per_token_is_refused(smollm2):
+    """A counted repetition of a counted repetition explodes the lexer: every mask would cost
+    tens of milliseconds on the engine thread. It is refused at compile."""
+    compiler = GrammarCompiler(smollm2.tokenizer, smollm2.model.config.vocab_size, [2])
+    with pytest.raises(InvalidGrammar, match="too expensive to enforce"):
+        compiler.compile(Grammar.regex("(a{1000}){1000}"))
+    big_enum = Grammar.json_schema({"enum": [f"value number {i}" for i in range(5000)]})
+    assert compiler.compile(big_enum).matcher() is not None  # large but cheap per token
 
 
 def test_unpacked_bitmask_matches_bits():
