@@ -1,0 +1,24 @@
+"""How the benchmark launches its servers: llama.cpp gets one slot per concurrent request and no
+`model` in requests; the others are unchanged by the concurrency."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from bench.servers import LLAMA_CPP, SEQGATE, SWEEP_SERVERS, TF_SERVE
+
+
+def test_llama_cpp_gets_a_slot_per_concurrent_request():
+    spec = LLAMA_CPP.for_concurrency(32)
+    argv = spec.argv(Path("/models/x"), 8123)
+    assert argv[:3] == [sys.executable, "-m", "bench.llamacpp_server"]
+    assert argv[argv.index("--parallel") + 1] == "32" and argv[argv.index("--port") + 1] == "8123"
+    assert spec.request_model(Path("/models/x"), "served") is None
+    assert "llama.cpp" in SWEEP_SERVERS
+
+
+def test_other_servers_ignore_the_concurrency():
+    assert SEQGATE.for_concurrency(32) is SEQGATE and TF_SERVE.for_concurrency(8) is TF_SERVE
+    assert TF_SERVE.request_model(Path("/models/x"), None) == "/models/x"
+    assert SEQGATE.request_model(Path("/models/x"), "SmolLM2") == "SmolLM2"
