@@ -181,6 +181,9 @@ OPTIONS: tuple[Option, ...] = (
            "--chunk-attention-tokens",
            "context tokens whose attention a prompt chunk is charged one token for "
            "(0: derived from the model)"),
+    Option("quantize", "engine", _choice("none", "int8", "int4"), ("option.quantize",),
+           "--quantize",
+           "weight-only quantisation for decoding on the CPU: none | int8 | int4"),
     Option("num_threads", "engine", _int(0), ("option.num_threads",), "--num-threads",
            "torch intra-op threads for the engine (0: chosen from the cores available)"),
     Option("max_model_len", "engine", _int(0), ("option.max_model_len",), "--max-model-len"),

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 STRATEGIES = ("greedy", "sample", "contrastive")
 POLICIES = ("fifo", "priority", "shortest")
 DTYPES = ("auto", "fp32", "fp16", "bf16")
+QUANTIZE_MODES = ("none", "int8", "int4")
 
 
 class ConfigError(ValueError):
@@ -72,6 +73,8 @@ class EngineConfig:
     # Context tokens whose attention costs as much as one token's linear layers, for charging
     # a prompt chunk's attention to the budget; 0 derives it from the model (ModelRunner).
     chunk_attention_tokens: int = 0
+    # Weight-only quantisation on the CPU (engine/quantize.py): none | int8 | int4.
+    quantize: str = "none"
     # torch intra-op threads; 0 picks a default from the cores available.
     num_threads: int = 0
     # Context length limit; 0 means the model's max_position_embeddings.
@@ -81,6 +84,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", self.dtype, f"one of {DTYPES}")
+        if self.quantize not in QUANTIZE_MODES:
+            raise ConfigError("quantize", self.quantize, f"one of {QUANTIZE_MODES}")
         if self.decoding_strategy not in STRATEGIES:
             raise ConfigError("decoding_strategy", self.decoding_strategy, f"one of {STRATEGIES}")
         if self.scheduling_policy not in POLICIES:

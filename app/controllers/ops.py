@@ -56,7 +56,7 @@ class OpsController(Controller):
             "engine": {"max_rolling_batch_size": cfg.max_rolling_batch_size,
                        "job_queue_size": cfg.job_queue_size, "max_sparsity": cfg.max_sparsity,
                        "max_splits": cfg.max_splits, "decoding_strategy": cfg.decoding_strategy,
-                       "num_threads": cfg.threads},
+                       "num_threads": cfg.threads, "quantize": cfg.quantize},
             "python": platform.python_version(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
