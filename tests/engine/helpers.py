@@ -39,7 +39,7 @@ def reference_greedy(
     """transformers' own greedy decoding, one sequence, no padding."""
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([ids]),
+            torch.tensor([ids], device=model.device),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             min_new_tokens=min_new_tokens,
