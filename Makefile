@@ -27,7 +27,7 @@ openapi-check:
 # continuous batching serves one request at a time, so its concurrency 32 and 64 cells are
 # skipped by default (they would only queue, for another half hour).
 # BENCH_ARGS=--quick for a smoke run (a few minutes, report in bench/results/quick/).
-BENCH_ARGS ?= --skip tf-serve@32 --skip tf-serve@64
+BENCH_ARGS ?= --skip tf-serve@32 --skip tf-serve@64 --skip seqgate-int4@32 --skip seqgate-int4@64
 bench:
 	bash scripts/install.sh dev,bench
 	case "$(BENCH_ARGS)" in *--quick*) ;; *) \

@@ -101,23 +101,28 @@ def sweep_section(runs: Sequence[dict], plot_dir: Path, doc_dir: Path) -> tuple[
     lines = ["## Sweep: ShareGPT chats at rising concurrency", "",
              markdown_table(["server", "concurrency", "requests", *LATENCY_HEADERS], rows), ""]
     ratios: dict = {}
-    peers = [s for s in dict.fromkeys(s for s, _ in groups) if s != "seqgate"]
+    servers = list(dict.fromkeys(s for s, _ in groups))
+    ours_labels = [s for s in servers if s.startswith("seqgate")]
+    peers = [s for s in servers if not s.startswith("seqgate")]
     ratio_rows = []
-    for peer in peers:
-        for conc in sorted({c for _, c in groups}):
-            ours, theirs = groups.get(("seqgate", conc)), groups.get((peer, conc))
-            if not ours or not theirs:
-                continue
-            tok = paired_ratios(ours, theirs, "output_tokens_per_s")
-            ttft = paired_ratios(ours, theirs, "ttft_p50")
-            ratios[peer, conc] = {"tokens_per_s": geomean(tok), "ttft_p50": geomean(ttft)}
-            ratio_rows.append([peer, str(conc), _ratio_cell(tok), _ratio_cell(ttft),
-                               _ratio_cell(paired_ratios(ours, theirs, "tpot_p50"))])
+    for ours_label in ours_labels:  # seqgate, and variants such as seqgate-int4
+        for peer in peers:
+            for conc in sorted({c for _, c in groups}):
+                ours, theirs = groups.get((ours_label, conc)), groups.get((peer, conc))
+                if not ours or not theirs:
+                    continue
+                tok = paired_ratios(ours, theirs, "output_tokens_per_s")
+                ttft = paired_ratios(ours, theirs, "ttft_p50")
+                key = (peer, conc) if ours_label == "seqgate" else (peer, conc, ours_label)
+                ratios[key] = {"tokens_per_s": geomean(tok), "ttft_p50": geomean(ttft)}
+                ratio_rows.append([ours_label, peer, str(conc), _ratio_cell(tok),
+                                   _ratio_cell(ttft),
+                                   _ratio_cell(paired_ratios(ours, theirs, "tpot_p50"))])
     if ratio_rows:
         lines += ["seqgate / peer, from runs taken side by side (geometric mean of the per-repeat "
                   "ratios; range in brackets). Above 1 is better for tokens/s, below 1 for "
                   "latency.", "",
-                  markdown_table(["peer", "concurrency", "output tok/s", "TTFT p50",
+                  markdown_table(["seqgate", "peer", "concurrency", "output tok/s", "TTFT p50",
                                   "TPOT p50"], ratio_rows), ""]
     if groups:
         tp = plots.throughput(groups, plot_dir / "throughput.png")
@@ -257,6 +262,10 @@ def targets_section(ratios: dict, cache_speedup: float | None, split: dict) -> l
     if r1 and r1["tokens_per_s"] is not None:  # issue 12's targets against the CPU user's peer
         add("c=1 output tok/s vs llama.cpp", r1["tokens_per_s"], "≥ 0.7×",
             r1["tokens_per_s"] >= 0.7)
+    q1 = ratios.get(("llama.cpp", 1, "seqgate-int4"))
+    if q1 and q1["tokens_per_s"] is not None:  # at the peer's own precision class
+        add("c=1 output tok/s, seqgate --quantize int4 vs llama.cpp", q1["tokens_per_s"],
+            "≥ 0.7×", q1["tokens_per_s"] >= 0.7)
     if r32:
         t, f = r32["tokens_per_s"], r32["ttft_p50"]
         add("c=32 output tok/s vs llama.cpp", t, "≥ 3.5×", None if t is None else t >= 3.5)

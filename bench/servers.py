@@ -71,10 +71,12 @@ class ServerSpec:
 
 
 SEQGATE = ServerSpec("seqgate", "seqgate")
+# Weight-only int4 (engine/quantize.py): the row that compares with llama.cpp's Q4_1 weights.
+SEQGATE_INT4 = ServerSpec("seqgate-int4", "seqgate", ("--quantize", "int4"))
 TF_SERVE = ServerSpec("tf-serve", "transformers")
 TF_SERVE_CB = ServerSpec("tf-serve-cb", "transformers", ("--continuous-batching",))
 LLAMA_CPP = ServerSpec("llama.cpp", "llamacpp")
-SWEEP_SERVERS = {s.label: s for s in (SEQGATE, TF_SERVE, TF_SERVE_CB, LLAMA_CPP)}
+SWEEP_SERVERS = {s.label: s for s in (SEQGATE, SEQGATE_INT4, TF_SERVE, TF_SERVE_CB, LLAMA_CPP)}
 
 
 def _venv_script(name: str) -> str:

@@ -48,6 +48,23 @@ def test_report_renders_tables_ratios_and_targets(tmp_path):
     assert "![throughput vs concurrency](benchmarks/throughput.png)" in text
 
 
+def test_a_seqgate_variant_is_compared_with_llamacpp(tmp_path):
+    """`--servers seqgate,seqgate-int4,llama.cpp`: both seqgate rows get ratios against the peer,
+    and the int4 row gets the c=1 target line of its own."""
+    from bench.report import write_report
+
+    sweep = [_run(s, 1, rep, scale) for rep in (0, 1)
+             for s, scale in (("seqgate", 0.5), ("seqgate-int4", 0.8), ("llama.cpp", 1.0))]
+    data = {"meta": _meta(sweep=60.0), "sweep": sweep, "agreement": {}, "cache": [],
+            "splitting": [], "failures": []}
+    text = write_report(data, tmp_path / "benchmarks.md").read_text()
+    assert "| c=1 output tok/s vs llama.cpp                          | 0.5      | ≥ 0.7× | **no**" \
+        in text
+    assert "| c=1 output tok/s, seqgate --quantize int4 vs llama.cpp | 0.8      | ≥ 0.7× | yes" \
+        in text
+    assert "| seqgate-int4 | llama.cpp | 1           | 0.8× (0.8–0.8)" in text
+
+
 def _split_run(config: str, splits: int, tps_scale: float, peak_kv: float, growth: int) -> dict:
     run = _run(f"seqgate {config}", 32, 0, tps_scale, config=config, max_splits=splits)
     run["phase"] = "splitting"
