@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine import SamplingParams
-from engine.sampling import filter_logits
+from engine.sampling import filter_logits, sample_rows
 from tests.engine.helpers import collect, prompt_of
 
 
@@ -173,3 +174,84 @@ def test_filters_apply_per_row_in_a_batch():
     for i in range(3):
         alone = filter_logits(logits[i : i + 1], *(a[i : i + 1] for a in args))
         assert torch.equal(batched[i], alone[0])
+
+
+def test_filters_skip_rows_without_one():
+    """Rows with every filter off get temperature only, beside rows that sort (the mixed case
+    filters a subset of rows in place)."""
+    torch.manual_seed(1)
+    logits = torch.randn(4, 50)
+    temp = torch.tensor([0.5, 1.0, 2.0, 1.0])
+    top_k, top_p, min_p = (torch.tensor([0, 3, 0, 0]), torch.tensor([1.0, 1.0, 1.0, 0.5]),
+                           torch.zeros(4))
+    out = filter_logits(logits, temp, top_k, top_p, min_p)
+    for i in (0, 2):
+        torch.testing.assert_close(out[i], logits[i] / temp[i])
+    assert int(torch.isfinite(out[1]).sum()) == 3
+    for i in (1, 3):
+        alone = filter_logits(logits[i : i + 1], temp[i : i + 1], top_k[i : i + 1],
+                              top_p[i : i + 1], min_p[i : i + 1])
+        assert torch.equal(out[i], alone[0])
+
+
+def _rows(n: int, seed: int | None = None, **params):
+    from types import SimpleNamespace
+
+    p = SimpleNamespace(**{"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, **params})
+    return [SimpleNamespace(params=p, generator=None if seed is None else
+                            torch.Generator().manual_seed(seed)) for _ in range(n)]
+
+
+def test_sampling_draws_from_the_distribution():
+    """The batched draw follows each row's probabilities, never picks a filtered token, and a
+    seeded row draws the same tokens whatever rows it shares the batch with."""
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    logits = probs.log()[None].expand(4000, -1).clone()
+    gen = torch.Generator().manual_seed(0)
+    picks = torch.tensor(sample_rows(logits, _rows(4000), gen))
+    freq = torch.bincount(picks, minlength=4).float() / len(picks)
+    assert freq[3] == 0
+    torch.testing.assert_close(freq, probs, atol=0.03, rtol=0)
+    # top_k=1 leaves one choice
+    assert set(sample_rows(logits[:50], _rows(50, top_k=1), gen)) == {0}
+
+    alone = [sample_rows(logits[:1], _rows(1, seed), gen)[0] for seed in range(20)]
+    mixed = [sample_rows(logits[:4], _rows(3) + _rows(1, seed), gen)[3] for seed in range(20)]
+    assert mixed == alone and len(set(alone)) > 1
+
+
+def _reference_filter(logits, temperature, top_k, top_p, min_p):
+    """The filters from their definitions, one row at a time over a full sort."""
+    out = []
+    for row, t, k, p, m in zip(logits, temperature, top_k, top_p, min_p):
+        scaled = row / t
+        probs = scaled.softmax(-1)
+        order = probs.argsort(descending=True)
+        keep = torch.zeros_like(probs, dtype=torch.bool)
+        mass = 0.0
+        for rank, tok in enumerate(order.tolist()):
+            if rank == 0 or ((k == 0 or rank < k) and (p >= 1 or mass < p)
+                             and probs[tok] >= m * probs[order[0]]):
+                keep[tok] = True
+            elif m == 0 and (k and rank >= k or p < 1 and mass >= p):
+                break
+            mass += float(probs[tok])
+        out.append(scaled.masked_fill(~keep, float("-inf")))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("spread", [0.3, 3.0, 12.0], ids=["flat", "usual", "peaked"])
+def test_filters_match_their_definitions(spread):
+    """Over flat distributions (the top-p cut lies beyond the partial sort's candidates) and
+    peaked ones, every mix of filters keeps exactly the tokens the definitions keep."""
+    torch.manual_seed(int(spread * 10))
+    rows = 12
+    logits = torch.randn(rows, 1000) * spread
+    temperature = torch.tensor([0.7, 1.0, 1.5] * 4)
+    top_k = torch.tensor([0, 0, 5, 0, 40, 0, 0, 300, 1, 0, 0, 2])
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.5, 0.95, 1.0, 0.99, 1.0, 1.0, 0.3, 0.8, 0.9])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.05, 0.0, 0.0, 0.0, 0.0, 0.2, 0.0])
+    got = filter_logits(logits, temperature, top_k, top_p, min_p)
+    want = _reference_filter(logits, temperature, top_k, top_p, min_p)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+    torch.testing.assert_close(got[torch.isfinite(got)], want[torch.isfinite(want)])
