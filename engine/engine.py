@@ -24,7 +24,7 @@ from engine.loader import LoadedModel, load_model
 from engine.outputs import JobDelta, StepStats
 from engine.radix_cache import PrefixEntry, RadixPrefixCache
 from engine.runner import Chunk, ModelRunner
-from engine.sampling_params import InvalidParams, SamplingParams, check_context
+from engine.sampling_params import SamplingParams, validate_job
 from engine.scheduler import PrefillChunk, Scheduler, StepPlan
 
 log = logging.getLogger("seqgate.engine")
@@ -37,9 +37,15 @@ class EngineStopped(RuntimeError):
     """The engine is draining or stopped and admits no new jobs."""
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine that was to run a job is gone (a remote replica died); retrying may succeed."""
+
+
 class JobHandle:
     """A submitted job's output stream. Iterate with `async for` on the loop that submitted it,
     or with `iter_sync()` from a plain thread."""
+
+    replica: str | None = None  # which engine replica runs the job; None: this process's
 
     def __init__(self, job_id: str, loop: asyncio.AbstractEventLoop | None):
         self.job_id = job_id
@@ -55,6 +61,10 @@ class JobHandle:
                 pass
         else:
             self._tq.put(item)
+
+    async def accepted(self) -> None:
+        """Wait until the job is queued. Here `submit` has queued it already (a remote engine's
+        handle waits for its replica's answer, which may be a refusal)."""
 
     async def __aiter__(self) -> AsyncIterator[JobDelta]:
         assert self._aq is not None, "submitted outside an event loop: use iter_sync()"
@@ -189,28 +199,8 @@ class Engine:
     ) -> JobHandle:
         """Queue a job; its output arrives on the returned handle. Raises QueueFull, InvalidParams,
         ContextLengthExceeded or EngineStopped."""
-        params.validate()
-        if not prompt_ids:
-            raise InvalidParams("prompt", "{param} must not be empty")
-        if params.n > self.config.max_rolling_batch_size:
-            raise InvalidParams(
-                "n",
-                f"{{param}}={params.n} exceeds max_rolling_batch_size="
-                f"{self.config.max_rolling_batch_size}",
-            )
-        vocab = self.runner.vocab_size
-        for param, ids in (
-            ("prompt", prompt_ids),
-            ("stop_token_ids", params.stop_token_ids),
-            ("logit_bias", params.logit_bias),
-        ):
-            if (bad := next((t for t in ids if not 0 <= t < vocab), None)) is not None:
-                raise InvalidParams(param, f"{{param}} has token id {bad}, outside the vocabulary "
-                                           f"[0, {vocab})")
-        strategy = params.resolved_strategy(self.config.decoding_strategy)
-        if strategy == "contrastive":
-            params.check_contrastive()
-        check_context(len(prompt_ids), params.max_new_tokens, self.max_model_len)
+        strategy = validate_job(prompt_ids, params, self.config, self.runner.vocab_size,
+                                self.max_model_len)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -235,6 +225,11 @@ class Engine:
         """Cancel a job; its slot is free at the next step and its stream ends with 'abort'."""
         self.scheduler.request_abort(job_id)
         self._wake.set()
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread is running (a replica's health check asks)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def add_step_listener(self, fn: Callable[[StepStats], None]) -> None:
         self._listeners.append(fn)
