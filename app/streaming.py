@@ -58,6 +58,21 @@ def submit_all(engine: Engine, specs: list[JobSpec], names: ParamNames) -> list[
     return handles
 
 
+async def admit_all(engine: Engine, handles: list[JobHandle], names: ParamNames) -> None:
+    """Wait until every job is queued (at once here; a replica answers remotely); if one is
+    refused, the others are aborted and the refusal is the request's error (429 queue full)."""
+    try:
+        for h in handles:
+            await h.accepted()
+    except Exception as exc:
+        for h in handles:
+            engine.abort(h.job_id)
+        err = from_engine_error(exc, names)
+        if err.status >= 500:
+            log.exception("a replica refused the job")
+        raise err from None
+
+
 async def open_request(gw: GatewayState, request: Request, route: str, names: ParamNames,
                        prepare: Callable[[Engine, bytes], tuple[P, list[JobSpec]]],
                        ) -> tuple[P, JobStream]:
@@ -72,9 +87,12 @@ async def open_request(gw: GatewayState, request: Request, route: str, names: Pa
         body = await request.body()
         prepared, specs = await gw.off_loop(prepare, engine, body)
         handles = submit_all(engine, specs, names)
+        await admit_all(engine, handles, names)
     except BaseException:
         release()
         raise
+    if replicas := sorted({h.replica for h in handles if h.replica is not None}):
+        request.state.seqgate_replicas = ",".join(replicas)  # the x-seqgate-replica header
     return prepared, JobStream(engine, handles, gw.metrics, started, route, gw.request_timeout,
                                on_close=release)
 
