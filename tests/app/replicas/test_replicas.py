@@ -197,3 +197,29 @@ def test_round_robin_caches_less_than_prefix_affinity(start_gateway, affinity, t
     assert all(len(r) == 2 for r in figures["replicas_per_prompt"].values()), figures
     assert "prefix_affinity" in FIGURES, "run the whole module: the affinity figures come first"
     assert figures["cached_fraction"] < FIGURES["prefix_affinity"]["cached_fraction"], FIGURES
+
+
+def test_429_only_once_every_replica_queue_is_full(start_gateway, affinity):
+    """Each replica holds one running and one queued job here: four long streams are taken
+    (least-loaded puts two on each replica), the next ones are refused with 429."""
+    if affinity.proc.poll() is None:
+        affinity.stop()
+    small = start_gateway("--router", "least_loaded", "--max-rolling-batch-size", "1",
+                          "--job-queue-size", "1")
+    body = {"model": "tiny", "max_tokens": 1800, "stream": True, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Go on and on."}]}
+    with httpx.Client(timeout=60) as http:
+        responses = [http.send(http.build_request("POST", small.url + "/v1/chat/completions",
+                                                  json=body), stream=True) for _ in range(6)]
+        try:
+            statuses = [r.status_code for r in responses]
+            taken = [r.headers["x-seqgate-replica"] for r in responses if r.status_code == 200]
+            refused = [r for r in responses if r.status_code == 429]
+            assert statuses.count(200) == 4 and len(refused) == 2, statuses
+            assert sorted(taken.count(rid) for rid in set(taken)) == [2, 2], taken
+            refused[0].read()
+            assert refused[0].json()["error"]["code"] == "rate_limit_exceeded"
+            assert "retry-after" in refused[0].headers
+        finally:
+            for r in responses:
+                r.close()
