@@ -2,11 +2,13 @@
 replica.
 
 The gateway calls `generate(prompt_ids, params, grammar)` through a streaming deployment handle.
-Its first item is `Admitted` (the replica's id) or the exception that refused the job
-(QueueFull, EngineStopped), then the job's `JobDelta`s. When the gateway cancels the call (its
-client went away, its deadline passed), Ray cancels this generator and the job is aborted here,
-on the replica that runs it. Grammars travel as their `Grammar` (a compiled matcher does not
-pickle) and are compiled again here, from the replica's own cache.
+Its first item is `Admitted` (the replica's id) or the refusal (QueueFull, EngineStopped), then
+the job's `JobDelta`s; anything else raised reaches the gateway as Ray's task error (a 500).
+The gateway has checked the job against the same limits (`validate_job`) before sending it.
+When the gateway cancels the call (its client went away, its deadline passed), Ray cancels this
+generator and the job is aborted here, on the replica that runs it. Grammars travel as their
+`Grammar` (a compiled matcher does not pickle) and are compiled again here, from the replica's
+own cache.
 
 `record_routing_stats` is what the router and the gateway's /health and /metrics know of the
 replica; Ray calls it every `request_routing_stats_period_s`. At shutdown Ray waits for open
@@ -24,7 +26,7 @@ from typing import Any
 
 from ray import serve
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, EngineConfig, EngineStopped, QueueFull, SamplingParams
 from engine.grammar import Grammar
 
 log = logging.getLogger("seqgate.replicas")
@@ -57,6 +59,9 @@ class EngineReplica:
     def __init__(self, config: EngineConfig, drain_timeout: float):
         self.engine = Engine(config)
         self.engine.start()
+        # The grammar compiler's view of the tokenizer is built now (0.3 s holding the GIL for
+        # SmolLM2), before Ray marks the replica ready, not on its first constrained request.
+        self.engine.grammars.compile(Grammar.json_object())
         self.drain_timeout = drain_timeout
         self.replica = serve.get_replica_context().replica_id.unique_id
         self._load: dict[str, int] = {}  # open job id -> tokens it may still compute
@@ -75,7 +80,7 @@ class EngineReplica:
             params = dataclasses.replace(params, grammar=compiled)
         try:
             handle = self.engine.submit(prompt_ids, params)
-        except Exception as exc:  # noqa: BLE001 - the gateway maps it to its HTTP answer
+        except (QueueFull, EngineStopped) as exc:  # refusals: the gateway answers 429 / 503
             yield exc
             return
         job = handle.job_id
