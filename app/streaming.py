@@ -49,12 +49,7 @@ def submit_all(engine: Engine, specs: list[JobSpec], names: ParamNames) -> list[
         for spec in specs:
             handles.append(engine.submit(spec.prompt_ids, spec.params))
     except Exception as exc:
-        for h in handles:
-            engine.abort(h.job_id)
-        err = from_engine_error(exc, names)
-        if err.status >= 500:
-            log.exception("submit failed")
-        raise err from None
+        raise _refused(engine, handles, exc, names) from None
     return handles
 
 
@@ -65,12 +60,18 @@ async def admit_all(engine: Engine, handles: list[JobHandle], names: ParamNames)
         for h in handles:
             await h.accepted()
     except Exception as exc:
-        for h in handles:
-            engine.abort(h.job_id)
-        err = from_engine_error(exc, names)
-        if err.status >= 500:
-            log.exception("a replica refused the job")
-        raise err from None
+        raise _refused(engine, handles, exc, names) from None
+
+
+def _refused(engine: Engine, handles: list[JobHandle], exc: Exception,
+             names: ParamNames) -> ApiError:
+    """Abort the request's jobs and return the API error its refusal means."""
+    for h in handles:
+        engine.abort(h.job_id)
+    err = from_engine_error(exc, names)
+    if err.status >= 500:
+        log.error("a job was refused", exc_info=exc)
+    return err
 
 
 async def open_request(gw: GatewayState, request: Request, route: str, names: ParamNames,

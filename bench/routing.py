@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import random
 import statistics
 import time
 from collections import defaultdict
@@ -36,26 +35,10 @@ import httpx
 from bench import provenance
 from bench.common import markdown_table, publish
 from bench.servers import SEQGATE, ServerProcess, local_model_dir
+from bench.workloads import distinct_system_prompts
 
 CHAT_PATH = "/v1/chat/completions"
 POLICIES = ("prefix_affinity", "least_loaded", "round_robin")
-WORDS = ("river mountain ledger compass harbor lantern orchard meadow canyon glacier quarry "
-         "beacon thicket prairie summit delta estuary plateau fjord lagoon archipelago tundra "
-         "savanna marsh grove dune ridge valley basin cove").split()
-
-
-def system_prompts(tokenizer, count: int, tokens: int, seed: int) -> list[str]:
-    """`count` distinct system prompts of at least `tokens` tokens."""
-    rng = random.Random(seed)
-    out = []
-    for k in range(count):
-        text = f"You are assistant number {k} of run {seed}."
-        while len(tokenizer.encode(text)) < tokens:
-            text += " " + " ".join(rng.choice(WORDS) for _ in range(20))
-        out.append(text)
-    return out
-
-
 async def ask(http: httpx.AsyncClient, model: str | None, system: str, question: int) -> dict:
     body = {"model": model, "max_tokens": 4, "temperature": 0,
             "messages": [{"role": "system", "content": system},
@@ -154,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         log = args.out.with_suffix(f".{policy or 'single'}.log")
         with ServerProcess(spec, model_dir, log) as server:
             # New prompts per server: nothing is cached anywhere when a run starts.
-            prompts = system_prompts(tokenizer, args.prompts, args.system_tokens, seed)
+            prompts = distinct_system_prompts(tokenizer, args.prompts, args.system_tokens, seed)
             routing[spec.label] = asyncio.run(shared_prompts(server, prompts, args.per_prompt,
                                                              args.concurrency))
             if policy in (None, "prefix_affinity") and args.latency_requests:

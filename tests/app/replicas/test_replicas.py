@@ -4,7 +4,6 @@ a killed replica. One Ray instance and one gateway per router policy for the who
 from __future__ import annotations
 
 import json
-import random
 import signal
 import time
 from collections import defaultdict
@@ -15,13 +14,12 @@ import httpx
 import pytest
 import ray
 
+from bench.workloads import PROMPT_WORDS, distinct_system_prompts
+
 pytestmark = pytest.mark.slow
 
 SYSTEM_PROMPT_TOKENS = 400
 PROMPTS, PER_PROMPT = 4, 16
-WORDS = ("river mountain ledger compass harbor lantern orchard meadow canyon glacier quarry "
-         "beacon thicket prairie summit delta estuary plateau fjord lagoon archipelago tundra "
-         "savanna marsh grove dune ridge valley basin cove").split()
 FIGURES: dict[str, dict] = {}  # per policy, for the comparison at the end
 
 
@@ -30,16 +28,8 @@ def affinity(start_gateway):
     return start_gateway("--router", "prefix_affinity")
 
 
-def system_prompts(tokenizer, seed: int) -> list[str]:
-    """PROMPTS distinct system prompts of at least SYSTEM_PROMPT_TOKENS tokens each."""
-    rng = random.Random(seed)
-    out = []
-    for k in range(PROMPTS):
-        text = f"You are assistant number {k} of run {seed}."
-        while len(tokenizer.encode(text)) < SYSTEM_PROMPT_TOKENS:
-            text += " " + " ".join(rng.choice(WORDS) for _ in range(20))
-        out.append(text)
-    return out
+def prompts(tiny_model, seed: int) -> list[str]:
+    return distinct_system_prompts(tiny_model.tokenizer, PROMPTS, SYSTEM_PROMPT_TOKENS, seed)
 
 
 @dataclass
@@ -89,7 +79,7 @@ def test_requests_spread_over_both_replicas(affinity):
     with ThreadPoolExecutor(8) as pool:
         replicas = list(pool.map(
             lambda i: client.completions.with_raw_response.create(
-                model="tiny", prompt=f"Prompt {i}: {' '.join(WORDS[i:i + 8])}",
+                model="tiny", prompt=f"Prompt {i}: {' '.join(PROMPT_WORDS[i:i + 8])}",
                 max_tokens=8).headers["x-seqgate-replica"], range(8)))
     assert set(replicas) == set(affinity.replicas()) and len(set(replicas)) == 2
     health = affinity.health()
@@ -142,7 +132,7 @@ def test_a_disconnected_stream_is_aborted_on_its_replica(affinity):
 
 
 def test_each_system_prompt_stays_on_one_replica_under_prefix_affinity(affinity, tiny_model):
-    answers = shared_prompt_workload(affinity, system_prompts(tiny_model.tokenizer, seed=1))
+    answers = shared_prompt_workload(affinity, prompts(tiny_model, seed=1))
     figures = FIGURES["prefix_affinity"] = summarize(answers)
     print("prefix_affinity:", json.dumps(figures))
     assert all(len(r) == 1 for r in figures["replicas_per_prompt"].values()), figures
@@ -208,7 +198,7 @@ def test_round_robin_caches_less_than_prefix_affinity(start_gateway, affinity, t
     if affinity.proc.poll() is None:
         assert affinity.stop() == 0
     rr = start_gateway("--router", "round_robin")
-    answers = shared_prompt_workload(rr, system_prompts(tiny_model.tokenizer, seed=2))
+    answers = shared_prompt_workload(rr, prompts(tiny_model, seed=2))
     figures = FIGURES["round_robin"] = summarize(answers)
     print("round_robin:", json.dumps(figures))
     assert all(len(r) == 2 for r in figures["replicas_per_prompt"].values()), figures
