@@ -149,13 +149,15 @@ class RemoteEngine:
             self._open.pop(job_id, None)
 
     def abort(self, job_id: str) -> None:
+        # Forgotten here too: a job aborted before anyone iterated it (its request's other job
+        # was refused) would otherwise hold a drain until its timeout.
         with self._lock:
-            handle = self._open.get(job_id)
+            handle = self._open.pop(job_id, None)
         if handle is not None:
             handle.cancel()
 
     def stats(self) -> EngineStats:
-        """The replicas' counters summed, as they last reported them (see router.py)."""
+        """The replicas' counters summed, as they last reported them (board.py)."""
         out = EngineStats()
         for rec in REPLICA_BOARD.snapshot().values():
             for name in _SUMMED:
