@@ -156,6 +156,13 @@ def _list(v: str | list[str]) -> tuple[str, ...]:
     return tuple(s.strip() for s in items if s.strip())
 
 
+def _tp_degree(v: str) -> int:
+    if v.strip().lower() == "max":  # DJL: every GPU; seqgate does not choose a degree for you
+        log.warning("option.tensor_parallel_degree=max: set a number of ranks; using 1")
+        return 1
+    return _int(1)(v)
+
+
 _DTYPE_ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32",
                   "float": "fp32"}
 
@@ -218,6 +225,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("num_threads", "engine", _int(0), ("option.num_threads",), "--num-threads",
            "torch intra-op threads for the engine (0: chosen from the cores available)"),
     Option("max_model_len", "engine", _int(0), ("option.max_model_len",), "--max-model-len"),
+    Option("tensor_parallel_degree", "engine", _tp_degree, ("option.tensor_parallel_degree",),
+           "--tensor-parallel-degree",
+           "processes the model is split over (transformers' tensor-parallel plan; gloo on the "
+           "CPU, NCCL on GPUs); needs a model directory or hub id and the fifo policy"),
     Option("replicas", "replicas", _int(1), (), "--replicas",
            "engine replicas behind this endpoint, on Ray Serve (needs seqgate[ray]; 1: one "
            "engine in this process)"),
@@ -280,13 +291,6 @@ def _djl_rolling_batch(v: str) -> None:
         raise ValueError("scheduler or auto (seqgate runs the seq-scheduler only)")
 
 
-def _djl_tp(v: str) -> None:
-    if v.strip().lower() == "max":
-        return
-    if _int(1)(v) > 1:
-        log.warning("option.tensor_parallel_degree=%s: seqgate runs on one device; using 1", v)
-
-
 def _djl_device_map(v: str) -> None:
     log.warning("option.device_map=%s is accepted and ignored: seqgate places the whole model "
                 "on one device (see --device)", v)
@@ -303,7 +307,6 @@ def _djl_ignored(key: str) -> Callable[[str], None]:
 _DJL_CHECKS: dict[str, Callable[[str], None]] = {
     "engine": _djl_engine,
     "option.rolling_batch": _djl_rolling_batch,
-    "option.tensor_parallel_degree": _djl_tp,
     "option.device_map": _djl_device_map,
     **{k: _djl_ignored(k) for k in (
         "option.entryPoint", "option.task", "option.low_cpu_mem_usage", "option.enable_streaming",

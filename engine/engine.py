@@ -26,6 +26,7 @@ from engine.radix_cache import PrefixEntry, RadixPrefixCache
 from engine.runner import Chunk, ModelRunner
 from engine.sampling_params import SamplingParams, validate_job
 from engine.scheduler import PrefillChunk, Scheduler, StepPlan
+from engine.tensor_parallel import Lockstep, RankGroup
 
 log = logging.getLogger("seqgate.engine")
 
@@ -101,6 +102,16 @@ class EngineStats:
     finished_by_reason: Counter = field(default_factory=Counter)
 
 
+def new_job(job_id: str, prompt_ids: list[int], params: SamplingParams, strategy: str,
+            emit: Callable[[JobDelta | None], None]) -> Job:
+    """A job with its `n` sequences, as `Engine.submit` queues it (and every rank, under
+    tensor parallelism)."""
+    job = Job(job_id=job_id, prompt_ids=list(prompt_ids), params=params, strategy=strategy,
+              emit=emit)
+    job.seqs = [Sequence(job, i) for i in range(params.n)]
+    return job
+
+
 # Sequences whose prompt and answer go into the prefix cache when they end (not aborted or failed
 # ones: a client that gave up is unlikely to send the history back).
 _CACHED_ENDINGS = frozenset({SeqStatus.EOS, SeqStatus.STOP_TOKEN, SeqStatus.STOP_STRING,
@@ -110,8 +121,13 @@ _CACHED_ENDINGS = frozenset({SeqStatus.EOS, SeqStatus.STOP_TOKEN, SeqStatus.STOP
 class Engine:
     """The seq-scheduler. One thread owns the model and runs `step()` while there is work."""
 
-    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
+                 ranks: RankGroup | None = None):
         self.config = config or EngineConfig()
+        # Tensor parallelism: rank 0 starts the other ranks before loading its share.
+        if ranks is None and self.config.tensor_parallel_degree > 1:
+            ranks = RankGroup.lead(self.config)
+        self.ranks = ranks
         self.loaded = loaded or load_model(self.config)
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
@@ -119,7 +135,8 @@ class Engine:
         limit = getattr(model_cfg, "max_position_embeddings", None) or 2048
         self.max_model_len = min(self.config.max_model_len or limit, limit)
         self.eos_ids = self._eos_ids()
-        self.runner = ModelRunner(self.loaded.model, self.loaded.device)
+        self.runner = ModelRunner(self.loaded.model, self.loaded.device,
+                                  self.config.tensor_parallel_degree)
         self.fused = self.config.fuse_sub_batches and fused.install(self.loaded.model)
         self.prefix_cache = RadixPrefixCache(self.config.prompt_cache_bytes)
         self.scheduler = Scheduler(
@@ -136,6 +153,7 @@ class Engine:
         self._running = False
         self.draining = False
         self._admit_lock = threading.Lock()
+        self.lockstep = Lockstep(self) if ranks is not None else None
 
     def _eos_ids(self) -> list[int]:
         ids = set()
@@ -206,24 +224,23 @@ class Engine:
         except RuntimeError:
             loop = None
         handle = JobHandle(job_id or f"job-{uuid.uuid4().hex}", loop)
-        job = Job(
-            job_id=handle.job_id,
-            prompt_ids=list(prompt_ids),
-            params=params,
-            strategy=strategy,
-            emit=handle._put,
-        )
-        job.seqs = [Sequence(job, i) for i in range(params.n)]
+        job = new_job(handle.job_id, prompt_ids, params, strategy, handle._put)
         with self._admit_lock:  # stop() cannot slip between this check and the push
             if self.draining or not self._running:
                 raise EngineStopped("the engine is not accepting new jobs (draining or stopped)")
-            self.scheduler.submit(job)
+            if self.lockstep is not None:  # every rank queues it at the next iteration
+                self.lockstep.submit(job)
+            else:
+                self.scheduler.submit(job)
         self._wake.set()
         return handle
 
     def abort(self, job_id: str) -> None:
         """Cancel a job; its slot is free at the next step and its stream ends with 'abort'."""
-        self.scheduler.request_abort(job_id)
+        if self.lockstep is not None:
+            self.lockstep.abort(job_id)
+        else:
+            self.scheduler.request_abort(job_id)
         self._wake.set()
 
     @property
@@ -254,6 +271,8 @@ class Engine:
     def _loop(self) -> None:
         torch.set_num_threads(self.config.threads)
         while self._running:
+            if self.lockstep is not None:  # every rank takes the same submissions and aborts
+                self.lockstep.lead()
             if not self.scheduler.has_work:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
@@ -264,6 +283,13 @@ class Engine:
                 log.exception("engine step failed; failing the running jobs")
                 self._fail_all("internal engine error")
         self._end_remaining()  # stopped: whatever is left ends here, on this thread
+        if self.lockstep is not None:
+            self.lockstep.stop()
+
+    def follow(self) -> None:
+        """A rank other than 0: run rank 0's iterations until it stops (tensor_parallel.py)."""
+        torch.set_num_threads(self.config.threads)
+        self.lockstep.follow()
 
     def run_until_idle(self, max_steps: int = 100_000) -> list[StepStats]:
         """Drive the engine from the calling thread until no work is left (tests, benchmarks)."""

@@ -1,0 +1,78 @@
+"""Tensor parallelism: one engine over 2 ranks (gloo, CPU) gives the single process's greedy
+tokens; models that cannot be split are refused at start-up by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.loader import ModelLoadError
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], list(range(100, 140)), [42] * 20, list(range(7, 300, 9))]
+
+
+def save_llama(path, tokenizer, heads: int, kv_heads: int) -> str:
+    """A small random Llama (untied output layer, so its greedy tokens vary) with SmolLM2's
+    tokenizer, saved as a model directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16 * heads, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, max_position_embeddings=512,
+                      tie_word_embeddings=False, initializer_range=0.2)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def greedy(config: EngineConfig) -> list[list[int]]:
+    engine = Engine(config)
+    engine.start()
+    try:
+        k_proj = engine.loaded.model.model.layers[0].self_attn.k_proj.weight
+        if config.tensor_parallel_degree > 1:  # this rank holds half of each layer
+            from torch.distributed.tensor import DTensor
+
+            assert torch.distributed.get_world_size() == config.tensor_parallel_degree
+            assert isinstance(k_proj, DTensor)
+            assert k_proj.to_local().shape[0] * 2 == k_proj.shape[0]
+        handles = [engine.submit(p, SamplingParams(strategy="greedy", max_new_tokens=12,
+                                                   ignore_eos=True)) for p in PROMPTS]
+        # one job aborted mid-way: every rank drops it at the same step
+        doomed = engine.submit(PROMPTS[0], SamplingParams(strategy="greedy", max_new_tokens=400,
+                                                          ignore_eos=True))
+        engine.abort(doomed.job_id)
+        out = [[t for d in h.iter_sync(timeout=120) for t in d.token_ids] for h in handles]
+        assert [d.finish_reason for d in doomed.iter_sync(timeout=120)][-1] == "abort"
+        return out
+    finally:
+        engine.stop()
+
+
+def test_two_ranks_give_the_single_process_greedy_tokens(smollm2, tmp_path):
+    model = save_llama(tmp_path / "llama", smollm2.tokenizer, heads=4, kv_heads=2)
+    base = dict(model_id=model, dtype="fp32", num_threads=1)
+    single = greedy(EngineConfig(**base))
+    assert len({tuple(s) for s in single}) == len(PROMPTS), "the test model answers alike"
+    assert greedy(EngineConfig(**base, tensor_parallel_degree=2)) == single
+
+
+def test_a_degree_that_does_not_divide_the_heads_is_refused(smollm2, tmp_path):
+    from engine.loader import load_model
+
+    model = save_llama(tmp_path / "llama", smollm2.tokenizer, heads=3, kv_heads=3)
+    with pytest.raises(ModelLoadError, match="tensor_parallel_degree=2 does not divide the "
+                                             "model's num_attention_heads=3"):
+        load_model(EngineConfig(model_id=model, tensor_parallel_degree=2))
+
+
+def test_gguf_models_and_clocked_policies_are_refused():
+    from engine import ConfigError
+    from engine.loader import load_model
+
+    with pytest.raises(ModelLoadError, match="needs a model directory or hub id"):
+        load_model(EngineConfig(tensor_parallel_degree=2))
+    with pytest.raises(ConfigError, match="fifo when tensor_parallel_degree > 1"):
+        EngineConfig(tensor_parallel_degree=2, scheduling_policy="shortest")
