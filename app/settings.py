@@ -384,6 +384,11 @@ def load_settings(flags: Mapping[str, Any] | argparse.Namespace | None = None,
         raise SettingsError(f"{origin}: {exc}") from None
     replicas = ReplicaSettings(**replica_kw)
     replicas.check()
+    if replicas.enabled and engine.tensor_parallel_degree > 1:
+        raise SettingsError(f"{values['tensor_parallel_degree'][1]}="
+                            f"{engine.tensor_parallel_degree} with replicas: each replica's "
+                            "ranks would be started inside its Ray actor, which is not supported "
+                            "yet; use one or the other")
     return Settings(server=ServerSettings(**server_kw), engine=engine, config_file=config_file,
                     replicas=replicas)
 

@@ -29,6 +29,8 @@ def test_flags_and_environment_set_the_replicas():
     ({"replicas": "0"}, "--replicas='0' is invalid: expected an integer >= 1"),
     ({"replicas": "3", "max_replicas": "2"}, "--max-replicas=2 is below --replicas=3"),
     ({"replicas": "2", "min_replicas": "3"}, "--min-replicas=3 is above --replicas=2"),
+    ({"replicas": "2", "tensor_parallel_degree": "2"},
+     "--tensor-parallel-degree=2 with replicas: .* not supported yet"),
 ])
 def test_invalid_replica_settings_are_refused_by_name(flags, message):
     with pytest.raises(SettingsError, match=message.replace("[", r"\[")):
