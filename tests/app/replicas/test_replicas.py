@@ -4,6 +4,7 @@ a killed replica. One Ray instance and one gateway per router policy for the who
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from collections import defaultdict
@@ -84,6 +85,12 @@ def test_requests_spread_over_both_replicas(affinity):
     assert set(replicas) == set(affinity.replicas()) and len(set(replicas)) == 2
     health = affinity.health()
     assert health["status"] == "ok" and len(health["replicas"]) == 2
+    metrics = httpx.get(affinity.url + "/metrics").text
+    for rid in set(replicas):  # per-replica series, labelled
+        routed = re.search(rf'seqgate_replica_routed_requests_total{{replica="{rid}"}} (\S+)',
+                           metrics)
+        assert routed and float(routed.group(1)) >= replicas.count(rid), metrics[-2000:]
+        assert f'seqgate_replica_up{{replica="{rid}"}} 1.0' in metrics
 
 
 def test_a_stream_goes_through_the_router(affinity):
