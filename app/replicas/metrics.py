@@ -43,7 +43,8 @@ class ReplicaCollector(Collector):
                 fam.add_metric([rid], float(rec.stats.get(key, 0)))
             families.append(fam)
         routed = CounterMetricFamily("seqgate_replica_routed_requests", "Jobs this gateway's "
-                                     "router sent to the replica", labels=["replica"])
+                                     "router chose the replica for (a retried job counts "
+                                     "again)", labels=["replica"])
         up = GaugeMetricFamily("seqgate_replica_up", "1 for each replica Ray reports running",
                                labels=["replica"])
         for rid, rec in sorted(board.items()):
