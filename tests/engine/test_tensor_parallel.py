@@ -3,6 +3,14 @@ tokens; models that cannot be split are refused at start-up by name."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
 import pytest
 import torch
 
@@ -85,3 +93,52 @@ def test_gguf_models_and_clocked_policies_are_refused():
         load_model(EngineConfig(tensor_parallel_degree=2))
     with pytest.raises(ConfigError, match="fifo when tensor_parallel_degree > 1"):
         EngineConfig(tensor_parallel_degree=2, scheduling_policy="shortest")
+
+
+
+def children(pid: int) -> set[int]:
+    """Direct children of `pid` (Linux /proc)."""
+    out: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out.update(int(c) for c in (task / "children").read_text().split())
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_seqgate_serve_starts_its_ranks_and_stops_them_on_sigterm(smollm2, tmp_path):
+    """The CLI path: the lifespan's load thread starts rank 1; the API answers; SIGTERM ends
+    both processes and the server exits 0."""
+    model = save_llama(tmp_path / "llama", smollm2.tokenizer, heads=4, kv_heads=2)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app", "serve", "--port", "0", "--model", model, "--dtype", "fp32",
+         "--num-threads", "1", "--tensor-parallel-degree", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        for line in proc.stdout:
+            if "seqgate is serving" in line:
+                break
+        else:
+            pytest.fail("the server exited before it was ready")
+        url = line.split(" at ")[1].split()[0]
+        ranks = children(proc.pid)
+        assert ranks, "rank 1 is not a child of the server"
+        reply = httpx.post(url + "/v1/completions", timeout=60, json={
+            "prompt": "Hello there", "max_tokens": 6, "temperature": 0}).json()
+        assert reply["usage"]["completion_tokens"] == 6
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in ranks), "a rank outlived the server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
