@@ -172,6 +172,8 @@ class Engine:
         """
         if self._running:
             return
+        if self.lockstep is not None and not background:
+            raise RuntimeError("tensor parallelism needs the engine thread: start(background=True)")
         self._running = True
         if background:
             self._thread = threading.Thread(target=self._loop, name="seqgate-engine", daemon=True)
@@ -271,15 +273,21 @@ class Engine:
     def _loop(self) -> None:
         torch.set_num_threads(self.config.threads)
         while self._running:
-            if self.lockstep is not None:  # every rank takes the same submissions and aborts
-                self.lockstep.lead()
-            if not self.scheduler.has_work:
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
             try:
+                if self.lockstep is not None:  # every rank takes the same jobs and aborts
+                    self.lockstep.lead()
+                if not self.scheduler.has_work:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
                 self.step()
             except Exception:  # a bug in the step must not kill the server: fail what ran
+                if self.lockstep is not None:  # ranks out of step cannot be brought back
+                    log.exception("tensor-parallel engine failed; it stops (new jobs refused)")
+                    self._fail_all("internal engine error (tensor-parallel ranks out of step)")
+                    with self._admit_lock:
+                        self.draining = True
+                    break
                 log.exception("engine step failed; failing the running jobs")
                 self._fail_all("internal engine error")
         self._end_remaining()  # stopped: whatever is left ends here, on this thread

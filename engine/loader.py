@@ -175,10 +175,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
     source = config.model_id
     start = time.perf_counter()
     from_cache = False
-    degree = config.tensor_parallel_degree
-    if degree > 1 and (source is None or source.endswith(".gguf")):
-        raise ModelLoadError(f"option.tensor_parallel_degree={degree} needs a model directory "
-                             "or hub id (a GGUF file, the embedded model's included, loads whole)")
+    if config.tensor_parallel_degree > 1:
+        from engine.tensor_parallel import check_source
+
+        check_source(config)
     try:
         if source is None:
             gguf = embedded_model_path()
@@ -196,12 +196,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
             name = local.name if local.is_dir() else source
             kwargs = dict(revision=config.revision, trust_remote_code=config.trust_remote_code)
             tok = AutoTokenizer.from_pretrained(source, **kwargs)
-            if degree > 1:  # this rank's share of every layer (engine/tensor_parallel.py)
-                from transformers import AutoConfig
-
-                from engine.tensor_parallel import check_plan
-
-                check_plan(AutoConfig.from_pretrained(source, **kwargs), degree)
+            if config.tensor_parallel_degree > 1:  # this rank's share of every layer
                 kwargs["tp_plan"] = "auto"
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     except ModelLoadError:

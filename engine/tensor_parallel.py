@@ -74,6 +74,7 @@ class RankGroup:
     @classmethod
     def lead(cls, config: EngineConfig) -> RankGroup:
         """Rank 0: start ranks 1 … degree-1 and join the process group with them."""
+        check_source(config)  # before any process starts: a bad model fails fast, by name
         world = config.tensor_parallel_degree
         port = _free_port()
         ctx = mp.get_context("spawn")
@@ -149,8 +150,12 @@ class Lockstep:
 
     def stop(self) -> None:
         """Rank 0, when its loop ends: the other ranks stop too."""
-        self.ranks.share(STOP)
-        self.ranks.close()
+        try:
+            self.ranks.share(STOP)
+        except Exception:  # noqa: BLE001 - a rank is gone already; close what is left
+            log.exception("could not tell the other ranks to stop")
+        finally:
+            self.ranks.close()
 
     def _apply(self, item: Job | AbortOp) -> None:
         if isinstance(item, AbortOp):
@@ -217,6 +222,21 @@ def follow(rank: int, world: int, port: int, config: EngineConfig) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def check_source(config: EngineConfig) -> None:
+    """Refuse, by name, a model that cannot be split `tensor_parallel_degree` ways: a GGUF file
+    (it loads whole), a model without transformers' plan, heads the degree does not divide."""
+    from transformers import AutoConfig
+
+    from engine.loader import ModelLoadError
+
+    degree, source = config.tensor_parallel_degree, config.model_id
+    if source is None or source.endswith(".gguf"):
+        raise ModelLoadError(f"option.tensor_parallel_degree={degree} needs a model directory "
+                             "or hub id (a GGUF file, the embedded model's included, loads whole)")
+    check_plan(AutoConfig.from_pretrained(source, revision=config.revision,
+                                          trust_remote_code=config.trust_remote_code), degree)
 
 
 def check_plan(model_config: Any, degree: int) -> None:

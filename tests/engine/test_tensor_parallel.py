@@ -76,13 +76,15 @@ def test_two_ranks_give_the_single_process_greedy_tokens(smollm2, tmp_path):
     assert greedy(EngineConfig(**base, tensor_parallel_degree=2)) == single
 
 
-def test_a_degree_that_does_not_divide_the_heads_is_refused(smollm2, tmp_path):
-    from engine.loader import load_model
-
+def test_a_degree_that_does_not_divide_the_heads_is_refused_before_ranks_start(smollm2,
+                                                                              tmp_path):
     model = save_llama(tmp_path / "llama", smollm2.tokenizer, heads=3, kv_heads=3)
+    before = children(os.getpid())
     with pytest.raises(ModelLoadError, match="tensor_parallel_degree=2 does not divide the "
                                              "model's num_attention_heads=3"):
-        load_model(EngineConfig(model_id=model, tensor_parallel_degree=2))
+        Engine(EngineConfig(model_id=model, tensor_parallel_degree=2))
+    assert children(os.getpid()) <= before, "a rank was started for a model that cannot split"
+    assert not torch.distributed.is_initialized()
 
 
 def test_gguf_models_and_clocked_policies_are_refused():
