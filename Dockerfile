@@ -4,6 +4,7 @@
 #
 #   docker build -t seqgate:cpu .                                  # CPU (default)
 #   docker build -t seqgate:cuda --build-arg TORCH_VARIANT=cuda .  # NVIDIA GPU
+#   docker build -t seqgate:ray --build-arg SEQGATE_EXTRAS=ray .   # with Ray Serve (replicas)
 #
 # TORCH_VARIANT picks the torch 2.13.0 wheel:
 #   cpu    the CPU-only wheel from PyTorch's index (small image, no CUDA libraries)
@@ -43,7 +44,12 @@ COPY engine ./engine
 COPY adapters ./adapters
 COPY openapi ./openapi
 # The installed torch already satisfies torch==2.13.0, so pip keeps the chosen variant.
-RUN pip install .
+# SEQGATE_EXTRAS=ray adds Ray Serve, for `seqgate serve --replicas N` and the Ray nodes of
+# compose's `ray` profile (about 540 MB more; it brings no torch). DL3013 is about unpinned
+# packages from an index: this installs the local source, whose extras pin their versions.
+ARG SEQGATE_EXTRAS=""
+# hadolint ignore=DL3013
+RUN pip install ".${SEQGATE_EXTRAS:+[${SEQGATE_EXTRAS}]}"
 
 # ---- runtime ---------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime

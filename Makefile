@@ -22,8 +22,9 @@ openapi-check:
 # docs/benchmarks.md (+ docs/benchmarks/*.png), after the scheduler scenarios (bench.stall: long
 # prompts arriving while streams decode; bench.multiturn: the radix prefix cache on three-turn
 # chats; bench.structured: JSON-schema requests against the same requests without a schema;
-# their reports go to docs/benchmarks/*.md and into docs/benchmarks.md). About an hour on
-# 2 cores. The peer without
+# bench.routing: shared system prompts over 2 replicas per router policy, and the latency the
+# replicas add; their reports go to docs/benchmarks/*.md and into docs/benchmarks.md). About an
+# hour on 2 cores. The peer without
 # continuous batching serves one request at a time, so its concurrency 32 and 64 cells are
 # skipped by default (they would only queue, for another half hour).
 # BENCH_ARGS=--quick for a smoke run (a few minutes, report in bench/results/quick/).
@@ -33,7 +34,8 @@ bench:
 	case "$(BENCH_ARGS)" in *--quick*) ;; *) \
 	  $(PYTHON) -m bench.stall --doc docs/benchmarks/stall.md && \
 	  $(PYTHON) -m bench.multiturn --doc docs/benchmarks/multiturn.md && \
-	  $(PYTHON) -m bench.structured --doc docs/benchmarks/structured.md ;; esac
+	  $(PYTHON) -m bench.structured --doc docs/benchmarks/structured.md && \
+	  $(PYTHON) -m bench.routing --doc docs/benchmarks/routing.md ;; esac
 	$(PYTHON) -m bench.serving $(BENCH_ARGS)
 	case "$(BENCH_ARGS)" in *--quick*) ;; *) cp bench/results/serving.json docs/benchmarks/ ;; esac
 

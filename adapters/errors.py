@@ -11,7 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from engine import ContextLengthExceeded, EngineStopped, InvalidParams, QueueFull
+from engine import (
+    ContextLengthExceeded,
+    EngineStopped,
+    EngineUnavailable,
+    InvalidParams,
+    QueueFull,
+)
 
 # Error types by status, as OpenAI names them.
 _TYPES = {
@@ -102,6 +108,9 @@ def from_engine_error(exc: Exception, names: ParamNames) -> ApiError:
                         headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER)})
     if isinstance(exc, EngineStopped):
         return draining_error()
+    if isinstance(exc, EngineUnavailable):
+        return ApiError(503, f"The engine is unavailable: {exc}.", "service_unavailable",
+                        headers={"Retry-After": "1"})
     return ApiError(500, f"Internal error: {type(exc).__name__}: {exc}", "internal_error")
 
 

@@ -112,11 +112,36 @@ def warn_if_exposed(settings: Settings) -> None:
                     "the model (set SEQGATE_API_KEYS, or listen on 127.0.0.1)", server.host)
 
 
+def use_replicas(settings: Settings, gateway: GatewayState) -> None:
+    """`--replicas N`: join or start Ray now (main thread, before uvicorn takes the signals),
+    and let the lifespan deploy the replicas where it would load the model."""
+    try:
+        from app.replicas import cluster
+        from app.replicas.metrics import ReplicaCollector, replica_report
+    except ImportError as exc:
+        raise SettingsError(f"--replicas={settings.replicas.replicas} runs the engines on Ray "
+                            f"Serve, which is not installed ({exc}): pip install "
+                            "'seqgate[ray]'") from None
+    started_ray = cluster.connect_ray()
+    gateway.build_engine = lambda _config: cluster.deploy_replicas(settings, started_ray)
+    gateway.replica_report = replica_report
+    gateway.metrics.registry.register(ReplicaCollector())
+
+
 def serve(settings: Settings) -> int:
     warn_if_exposed(settings)
     app = create_app(settings)
+    if settings.replicas.enabled:
+        try:
+            use_replicas(settings, app.state.gateway)
+        except SettingsError as exc:
+            print(f"seqgate: error: {exc}", file=sys.stderr)
+            return 2
     config = uvicorn.Config(app, host=settings.server.host, port=settings.server.port,
                             log_level=settings.server.log_level, lifespan="on",
+                            # uvicorn would pick uvloop and httptools once installed (the ray
+                            # extra brings both): the server stays on asyncio and h11 either way.
+                            loop="asyncio", http="h11",
                             proxy_headers=True,
                             forwarded_allow_ips=settings.server.forwarded_allow_ips,
                             timeout_graceful_shutdown=max(settings.server.drain_timeout, 1))

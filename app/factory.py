@@ -42,6 +42,10 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         if message["type"] == "http.response.start":
             route = scope.get("path_template") or "unmatched"
             gateway.metrics.count_response(route, message["status"])
+            # With engine replicas: which replica(s) ran the request's jobs.
+            if replicas := scope.get("state", {}).get("seqgate_replicas"):
+                message["headers"] = [*message.get("headers", []),
+                                      (b"x-seqgate-replica", replicas.encode())]
 
     server = settings.server
     return Litestar(

@@ -64,6 +64,8 @@ class GatewayState:
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     # How the lifespan builds the engine from the settings (tests hold the load on a gate).
     build_engine: Callable[[EngineConfig], Engine] = Engine
+    # With engine replicas (app/replicas): each live replica's last report, by replica id.
+    replica_report: Callable[[], dict[str, dict]] | None = None
     _prep_pool: ThreadPoolExecutor | None = None
     key_limiter: KeyLimiter = field(init=False)
 
@@ -92,17 +94,21 @@ class GatewayState:
 
     @property
     def status(self) -> str:
-        """ok | loading | draining | failed, as /health reports it."""
+        """ok | loading | draining | failed | no_replicas (every engine replica is down and
+        Ray is restarting them), as /health reports it."""
         if self.draining or (self.engine is not None and self.engine.draining):
             return "draining"
         if self.load_error is not None:
             return "failed"
+        if self.ready and self.replica_report is not None and not self.replica_report():
+            return "no_replicas"
         return "ok" if self.ready else "loading"
 
     def require_ready(self) -> Engine:
-        """The engine, or the 503 that says why there is none to use right now."""
+        """The engine, or the 503 that says why there is none to use right now. While Ray
+        restarts replicas, jobs wait in its router for one to come back."""
         status = self.status
-        if status == "ok":
+        if status in ("ok", "no_replicas"):
             return self.engine
         if status == "draining":
             raise draining_error()

@@ -53,6 +53,39 @@ class ServerSettings:
     forwarded_allow_ips: str = "127.0.0.1"
 
 
+ROUTER_POLICIES = ("prefix_affinity", "least_loaded", "round_robin")  # app/replicas/policy.py
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """Scale-out on Ray Serve (app/replicas): how many engine replicas, how jobs are routed to
+    them, and autoscaling. `replicas == 1` and `max_replicas == 0`: the single-process server."""
+
+    replicas: int = 1
+    router: str = "prefix_affinity"  # prefix_affinity | least_loaded | round_robin
+    # prefix_affinity keeps a job on the replica caching its prompt's head unless that replica
+    # carries this many more queued + running tokens than the least loaded one.
+    router_imbalance_tokens: int = 4096
+    # Autoscaling (Ray Serve's), on when max_replicas > replicas: between min_replicas (0: the
+    # replicas count) and max_replicas, aiming at a full batch plus this many queued jobs each.
+    min_replicas: int = 0
+    max_replicas: int = 0
+    target_queue_depth: int = 4
+    replica_cpus: float = 1.0  # Ray CPUs reserved per replica (and its torch threads, if unset)
+
+    @property
+    def enabled(self) -> bool:
+        return self.replicas > 1 or self.max_replicas > 1
+
+    def check(self) -> None:
+        if self.max_replicas and self.max_replicas < self.replicas:
+            raise SettingsError(f"--max-replicas={self.max_replicas} is below --replicas="
+                                f"{self.replicas}: expected at least the starting count")
+        if self.min_replicas > self.replicas:
+            raise SettingsError(f"--min-replicas={self.min_replicas} is above --replicas="
+                                f"{self.replicas}: expected at most the starting count")
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything `seqgate serve` needs: the engine's configuration and the server's."""
@@ -60,6 +93,7 @@ class Settings:
     server: ServerSettings = field(default_factory=ServerSettings)
     engine: EngineConfig = field(default_factory=EngineConfig)
     config_file: str | None = None
+    replicas: ReplicaSettings = field(default_factory=ReplicaSettings)
 
 
 # -- value parsers: each raises ValueError with what it expected ----------------------------
@@ -122,6 +156,13 @@ def _list(v: str | list[str]) -> tuple[str, ...]:
     return tuple(s.strip() for s in items if s.strip())
 
 
+def _tp_degree(v: str) -> int:
+    if v.strip().lower() == "max":  # DJL: every GPU; seqgate does not choose a degree for you
+        log.warning("option.tensor_parallel_degree=max: set a number of ranks; using 1")
+        return 1
+    return _int(1)(v)
+
+
 _DTYPE_ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32",
                   "float": "fp32"}
 
@@ -131,7 +172,7 @@ class Option:
     """One setting: where it lands, how it parses, and its names in each source."""
 
     name: str  # attribute of ServerSettings or EngineConfig
-    target: str  # "server" | "engine"
+    target: str  # "server" | "engine" | "replicas"
     parse: Callable[[Any], Any]
     djl: tuple[str, ...] = ()  # serving.properties keys
     flag: str | None = None  # command-line flag; None: not a flag
@@ -187,6 +228,27 @@ OPTIONS: tuple[Option, ...] = (
     Option("num_threads", "engine", _int(0), ("option.num_threads",), "--num-threads",
            "torch intra-op threads for the engine (0: chosen from the cores available)"),
     Option("max_model_len", "engine", _int(0), ("option.max_model_len",), "--max-model-len"),
+    Option("tensor_parallel_degree", "engine", _tp_degree, ("option.tensor_parallel_degree",),
+           "--tensor-parallel-degree",
+           "processes the model is split over (transformers' tensor-parallel plan; gloo on the "
+           "CPU, NCCL on GPUs); needs a model directory or hub id and the fifo policy"),
+    Option("replicas", "replicas", _int(1), (), "--replicas",
+           "engine replicas behind this endpoint, on Ray Serve (needs seqgate[ray]; 1: one "
+           "engine in this process)"),
+    Option("router", "replicas", _choice(*ROUTER_POLICIES), (), "--router",
+           "how jobs are routed to replicas: prefix_affinity (to the replica caching the "
+           "prompt's head, unless it is much busier) | least_loaded | round_robin"),
+    Option("router_imbalance_tokens", "replicas", _int(0), (), "--router-imbalance-tokens",
+           "prefix_affinity gives way to the least-loaded replica when the cached one carries "
+           "this many more queued + running tokens"),
+    Option("min_replicas", "replicas", _int(0), (), "--min-replicas",
+           "autoscaling floor (0: --replicas)"),
+    Option("max_replicas", "replicas", _int(0), (), "--max-replicas",
+           "autoscaling ceiling; above --replicas turns Ray Serve's autoscaling on (0: off)"),
+    Option("target_queue_depth", "replicas", _int(0), (), "--target-queue-depth",
+           "autoscaling target: jobs waiting per replica beyond a full batch"),
+    Option("replica_cpus", "replicas", _float(0.0), (), "--replica-cpus",
+           "Ray CPUs per replica; also its torch threads unless --num-threads is set"),
     Option("host", "server", lambda v: v.strip(), (), "--host"),
     Option("port", "server", _int(0), (), "--port"),
     Option("api_keys", "server", _list, (), "--api-key",
@@ -232,13 +294,6 @@ def _djl_rolling_batch(v: str) -> None:
         raise ValueError("scheduler or auto (seqgate runs the seq-scheduler only)")
 
 
-def _djl_tp(v: str) -> None:
-    if v.strip().lower() == "max":
-        return
-    if _int(1)(v) > 1:
-        log.warning("option.tensor_parallel_degree=%s: seqgate runs on one device; using 1", v)
-
-
 def _djl_device_map(v: str) -> None:
     log.warning("option.device_map=%s is accepted and ignored: seqgate places the whole model "
                 "on one device (see --device)", v)
@@ -255,7 +310,6 @@ def _djl_ignored(key: str) -> Callable[[str], None]:
 _DJL_CHECKS: dict[str, Callable[[str], None]] = {
     "engine": _djl_engine,
     "option.rolling_batch": _djl_rolling_batch,
-    "option.tensor_parallel_degree": _djl_tp,
     "option.device_map": _djl_device_map,
     **{k: _djl_ignored(k) for k in (
         "option.entryPoint", "option.task", "option.low_cpu_mem_usage", "option.enable_streaming",
@@ -325,12 +379,21 @@ def load_settings(flags: Mapping[str, Any] | argparse.Namespace | None = None,
 
     server_kw = {k: v for k, (v, _) in values.items() if _target(k) == "server"}
     engine_kw = {k: v for k, (v, _) in values.items() if _target(k) == "engine"}
+    replica_kw = {k: v for k, (v, _) in values.items() if _target(k) == "replicas"}
     try:
         engine = EngineConfig(**engine_kw)
     except ConfigError as exc:
         origin = values.get(exc.field, (None, exc.field))[1]
         raise SettingsError(f"{origin}: {exc}") from None
-    return Settings(server=ServerSettings(**server_kw), engine=engine, config_file=config_file)
+    replicas = ReplicaSettings(**replica_kw)
+    replicas.check()
+    if replicas.enabled and engine.tensor_parallel_degree > 1:
+        raise SettingsError(f"{values['tensor_parallel_degree'][1]}="
+                            f"{engine.tensor_parallel_degree} with replicas: each replica's "
+                            "ranks would be started inside its Ray actor, which is not supported "
+                            "yet; use one or the other")
+    return Settings(server=ServerSettings(**server_kw), engine=engine, config_file=config_file,
+                    replicas=replicas)
 
 
 def _target(name: str) -> str:

@@ -49,13 +49,29 @@ def submit_all(engine: Engine, specs: list[JobSpec], names: ParamNames) -> list[
         for spec in specs:
             handles.append(engine.submit(spec.prompt_ids, spec.params))
     except Exception as exc:
-        for h in handles:
-            engine.abort(h.job_id)
-        err = from_engine_error(exc, names)
-        if err.status >= 500:
-            log.exception("submit failed")
-        raise err from None
+        raise _refused(engine, handles, exc, names) from None
     return handles
+
+
+async def admit_all(engine: Engine, handles: list[JobHandle], names: ParamNames) -> None:
+    """Wait until every job is queued (at once here; a replica answers remotely); if one is
+    refused, the others are aborted and the refusal is the request's error (429 queue full)."""
+    try:
+        for h in handles:
+            await h.accepted()
+    except Exception as exc:
+        raise _refused(engine, handles, exc, names) from None
+
+
+def _refused(engine: Engine, handles: list[JobHandle], exc: Exception,
+             names: ParamNames) -> ApiError:
+    """Abort the request's jobs and return the API error its refusal means."""
+    for h in handles:
+        engine.abort(h.job_id)
+    err = from_engine_error(exc, names)
+    if err.status >= 500:
+        log.error("a job was refused", exc_info=exc)
+    return err
 
 
 async def open_request(gw: GatewayState, request: Request, route: str, names: ParamNames,
@@ -72,9 +88,12 @@ async def open_request(gw: GatewayState, request: Request, route: str, names: Pa
         body = await request.body()
         prepared, specs = await gw.off_loop(prepare, engine, body)
         handles = submit_all(engine, specs, names)
+        await admit_all(engine, handles, names)
     except BaseException:
         release()
         raise
+    if replicas := sorted({h.replica for h in handles if h.replica is not None}):
+        request.state.seqgate_replicas = ",".join(replicas)  # the x-seqgate-replica header
     return prepared, JobStream(engine, handles, gw.metrics, started, route, gw.request_timeout,
                                on_close=release)
 

@@ -45,6 +45,25 @@ if you can, and then offer to help with something book related.
 """
 
 
+# Words for distinct system prompts (`distinct_system_prompts`).
+PROMPT_WORDS = ("river mountain ledger compass harbor lantern orchard meadow canyon glacier quarry "
+                "beacon thicket prairie summit delta estuary plateau fjord lagoon archipelago "
+                "tundra savanna marsh grove dune ridge valley basin cove").split()
+
+
+def distinct_system_prompts(tokenizer, count: int, tokens: int, seed: int) -> list[str]:
+    """`count` system prompts of at least `tokens` tokens that share no prefix block: routing
+    over replicas (bench.routing, tests/app/replicas) sends each to wherever its head is cached."""
+    rng = random.Random(seed)
+    out = []
+    for k in range(count):
+        text = f"You are assistant number {k} of run {seed}."
+        while len(tokenizer.encode(text)) < tokens:
+            text += " " + " ".join(rng.choice(PROMPT_WORDS) for _ in range(20))
+        out.append(text)
+    return out
+
+
 def sharegpt_chat(req: Request, max_tokens: int | None = None, stream: bool = True,
                   system: str | None = None) -> dict:
     """A greedy chat request for one ShareGPT request (its budget, or `max_tokens`)."""

@@ -1,7 +1,7 @@
 """seq-scheduler: rolling batching with max-sparsity splitting and a radix prefix KV cache."""
 
 from engine.config import ConfigError, EngineConfig
-from engine.engine import Engine, EngineStats, EngineStopped, JobHandle
+from engine.engine import Engine, EngineStats, EngineStopped, EngineUnavailable, JobHandle
 from engine.loader import LoadedModel, ModelLoadError, load_model
 from engine.outputs import JobDelta, StepStats, TokenLogprob
 from engine.queue import QueueFull
@@ -20,6 +20,7 @@ __all__ = [
     "EngineConfig",
     "EngineStats",
     "EngineStopped",
+    "EngineUnavailable",
     "InvalidParams",
     "JobDelta",
     "JobHandle",

@@ -79,6 +79,9 @@ class EngineConfig:
     num_threads: int = 0
     # Context length limit; 0 means the model's max_position_embeddings.
     max_model_len: int = 0
+    # Ranks (processes) the model is split over with transformers' tensor-parallel plan
+    # (engine/tensor_parallel.py); 1: one process.
+    tensor_parallel_degree: int = 1
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -112,6 +115,12 @@ class EngineConfig:
                               ">= 0 (0 = derived from the model)")
         if self.num_threads < 0:
             raise ConfigError("num_threads", self.num_threads, ">= 0 (0 = auto)")
+        if self.tensor_parallel_degree < 1:
+            raise ConfigError("tensor_parallel_degree", self.tensor_parallel_degree, ">= 1")
+        if self.tensor_parallel_degree > 1 and self.scheduling_policy != "fifo":
+            # The other policies read the clock, which differs between ranks in lock step.
+            raise ConfigError("scheduling_policy", self.scheduling_policy,
+                              "fifo when tensor_parallel_degree > 1")
         if self.max_model_len < 0:
             raise ConfigError("max_model_len", self.max_model_len, ">= 0 (0 = the model's)")
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):

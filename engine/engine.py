@@ -24,8 +24,9 @@ from engine.loader import LoadedModel, load_model
 from engine.outputs import JobDelta, StepStats
 from engine.radix_cache import PrefixEntry, RadixPrefixCache
 from engine.runner import Chunk, ModelRunner
-from engine.sampling_params import InvalidParams, SamplingParams, check_context
+from engine.sampling_params import SamplingParams, validate_job
 from engine.scheduler import PrefillChunk, Scheduler, StepPlan
+from engine.tensor_parallel import Lockstep, RankGroup
 
 log = logging.getLogger("seqgate.engine")
 
@@ -37,9 +38,15 @@ class EngineStopped(RuntimeError):
     """The engine is draining or stopped and admits no new jobs."""
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine that was to run a job is gone (a remote replica died); retrying may succeed."""
+
+
 class JobHandle:
     """A submitted job's output stream. Iterate with `async for` on the loop that submitted it,
     or with `iter_sync()` from a plain thread."""
+
+    replica: str | None = None  # which engine replica runs the job; None: this process's
 
     def __init__(self, job_id: str, loop: asyncio.AbstractEventLoop | None):
         self.job_id = job_id
@@ -55,6 +62,10 @@ class JobHandle:
                 pass
         else:
             self._tq.put(item)
+
+    async def accepted(self) -> None:
+        """Wait until the job is queued. Here `submit` has queued it already (a remote engine's
+        handle waits for its replica's answer, which may be a refusal)."""
 
     async def __aiter__(self) -> AsyncIterator[JobDelta]:
         assert self._aq is not None, "submitted outside an event loop: use iter_sync()"
@@ -91,6 +102,16 @@ class EngineStats:
     finished_by_reason: Counter = field(default_factory=Counter)
 
 
+def new_job(job_id: str, prompt_ids: list[int], params: SamplingParams, strategy: str,
+            emit: Callable[[JobDelta | None], None]) -> Job:
+    """A job with its `n` sequences, as `Engine.submit` queues it (and every rank, under
+    tensor parallelism)."""
+    job = Job(job_id=job_id, prompt_ids=list(prompt_ids), params=params, strategy=strategy,
+              emit=emit)
+    job.seqs = [Sequence(job, i) for i in range(params.n)]
+    return job
+
+
 # Sequences whose prompt and answer go into the prefix cache when they end (not aborted or failed
 # ones: a client that gave up is unlikely to send the history back).
 _CACHED_ENDINGS = frozenset({SeqStatus.EOS, SeqStatus.STOP_TOKEN, SeqStatus.STOP_STRING,
@@ -100,8 +121,13 @@ _CACHED_ENDINGS = frozenset({SeqStatus.EOS, SeqStatus.STOP_TOKEN, SeqStatus.STOP
 class Engine:
     """The seq-scheduler. One thread owns the model and runs `step()` while there is work."""
 
-    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
+                 ranks: RankGroup | None = None):
         self.config = config or EngineConfig()
+        # Tensor parallelism: rank 0 starts the other ranks before loading its share.
+        if ranks is None and self.config.tensor_parallel_degree > 1:
+            ranks = RankGroup.lead(self.config)
+        self.ranks = ranks
         self.loaded = loaded or load_model(self.config)
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.name
@@ -109,7 +135,8 @@ class Engine:
         limit = getattr(model_cfg, "max_position_embeddings", None) or 2048
         self.max_model_len = min(self.config.max_model_len or limit, limit)
         self.eos_ids = self._eos_ids()
-        self.runner = ModelRunner(self.loaded.model, self.loaded.device)
+        self.runner = ModelRunner(self.loaded.model, self.loaded.device,
+                                  self.config.tensor_parallel_degree)
         self.fused = self.config.fuse_sub_batches and fused.install(self.loaded.model)
         self.prefix_cache = RadixPrefixCache(self.config.prompt_cache_bytes)
         self.scheduler = Scheduler(
@@ -126,6 +153,7 @@ class Engine:
         self._running = False
         self.draining = False
         self._admit_lock = threading.Lock()
+        self.lockstep = Lockstep(self) if ranks is not None else None
 
     def _eos_ids(self) -> list[int]:
         ids = set()
@@ -144,6 +172,8 @@ class Engine:
         """
         if self._running:
             return
+        if self.lockstep is not None and not background:
+            raise RuntimeError("tensor parallelism needs the engine thread: start(background=True)")
         self._running = True
         if background:
             self._thread = threading.Thread(target=self._loop, name="seqgate-engine", daemon=True)
@@ -189,52 +219,36 @@ class Engine:
     ) -> JobHandle:
         """Queue a job; its output arrives on the returned handle. Raises QueueFull, InvalidParams,
         ContextLengthExceeded or EngineStopped."""
-        params.validate()
-        if not prompt_ids:
-            raise InvalidParams("prompt", "{param} must not be empty")
-        if params.n > self.config.max_rolling_batch_size:
-            raise InvalidParams(
-                "n",
-                f"{{param}}={params.n} exceeds max_rolling_batch_size="
-                f"{self.config.max_rolling_batch_size}",
-            )
-        vocab = self.runner.vocab_size
-        for param, ids in (
-            ("prompt", prompt_ids),
-            ("stop_token_ids", params.stop_token_ids),
-            ("logit_bias", params.logit_bias),
-        ):
-            if (bad := next((t for t in ids if not 0 <= t < vocab), None)) is not None:
-                raise InvalidParams(param, f"{{param}} has token id {bad}, outside the vocabulary "
-                                           f"[0, {vocab})")
-        strategy = params.resolved_strategy(self.config.decoding_strategy)
-        if strategy == "contrastive":
-            params.check_contrastive()
-        check_context(len(prompt_ids), params.max_new_tokens, self.max_model_len)
+        strategy = validate_job(prompt_ids, params, self.config, self.runner.vocab_size,
+                                self.max_model_len)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
         handle = JobHandle(job_id or f"job-{uuid.uuid4().hex}", loop)
-        job = Job(
-            job_id=handle.job_id,
-            prompt_ids=list(prompt_ids),
-            params=params,
-            strategy=strategy,
-            emit=handle._put,
-        )
-        job.seqs = [Sequence(job, i) for i in range(params.n)]
+        job = new_job(handle.job_id, prompt_ids, params, strategy, handle._put)
         with self._admit_lock:  # stop() cannot slip between this check and the push
             if self.draining or not self._running:
                 raise EngineStopped("the engine is not accepting new jobs (draining or stopped)")
-            self.scheduler.submit(job)
+            if self.lockstep is not None:  # every rank queues it at the next iteration
+                self.lockstep.submit(job)
+            else:
+                self.scheduler.submit(job)
         self._wake.set()
         return handle
 
     def abort(self, job_id: str) -> None:
         """Cancel a job; its slot is free at the next step and its stream ends with 'abort'."""
-        self.scheduler.request_abort(job_id)
+        if self.lockstep is not None:
+            self.lockstep.abort(job_id)
+        else:
+            self.scheduler.request_abort(job_id)
         self._wake.set()
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread is running (a replica's health check asks)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def add_step_listener(self, fn: Callable[[StepStats], None]) -> None:
         self._listeners.append(fn)
@@ -259,16 +273,31 @@ class Engine:
     def _loop(self) -> None:
         torch.set_num_threads(self.config.threads)
         while self._running:
-            if not self.scheduler.has_work:
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
             try:
+                if self.lockstep is not None:  # every rank takes the same jobs and aborts
+                    self.lockstep.lead()
+                if not self.scheduler.has_work:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
                 self.step()
             except Exception:  # a bug in the step must not kill the server: fail what ran
+                if self.lockstep is not None:  # ranks out of step cannot be brought back
+                    log.exception("tensor-parallel engine failed; it stops (new jobs refused)")
+                    self._fail_all("internal engine error (tensor-parallel ranks out of step)")
+                    with self._admit_lock:
+                        self.draining = True
+                    break
                 log.exception("engine step failed; failing the running jobs")
                 self._fail_all("internal engine error")
         self._end_remaining()  # stopped: whatever is left ends here, on this thread
+        if self.lockstep is not None:
+            self.lockstep.stop()
+
+    def follow(self) -> None:
+        """A rank other than 0: run rank 0's iterations until it stops (tensor_parallel.py)."""
+        torch.set_num_threads(self.config.threads)
+        self.lockstep.follow()
 
     def run_until_idle(self, max_steps: int = 100_000) -> list[StepStats]:
         """Drive the engine from the calling thread until no work is left (tests, benchmarks)."""

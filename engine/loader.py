@@ -176,6 +176,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
     source = config.model_id
     start = time.perf_counter()
     from_cache = False
+    if config.tensor_parallel_degree > 1:
+        from engine.tensor_parallel import check_source
+
+        check_source(config)
     try:
         if source is None:
             gguf = embedded_model_path()
@@ -193,6 +197,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
             name = local.name if local.is_dir() else source
             kwargs = dict(revision=config.revision, trust_remote_code=config.trust_remote_code)
             tok = AutoTokenizer.from_pretrained(source, **kwargs)
+            if config.tensor_parallel_degree > 1:  # this rank's share of every layer
+                kwargs["tp_plan"] = "auto"
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     except ModelLoadError:
         raise

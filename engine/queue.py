@@ -18,6 +18,9 @@ class QueueFull(RuntimeError):
         self.queue_size = queue_size
         super().__init__(f"the job queue is full ({queue_size} waiting); retry later")
 
+    def __reduce__(self):  # rebuilt from queue_size when it crosses processes (replicas)
+        return QueueFull, (self.queue_size,)
+
 
 class JobQueue:
     """Waiting jobs in arrival order, bounded at `limit`; safe to push from any thread.

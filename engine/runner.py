@@ -37,19 +37,23 @@ class ModelRunner:
     """Owns the model's forward calls: the step's packed forward, or one per group; the
     contrastive look-ahead."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device):
+    def __init__(self, model: torch.nn.Module, device: torch.device, tp_degree: int = 1):
         self.model = model
         self.device = device
         self._lm_head = model.get_output_embeddings().weight
         self.vocab_size = self._lm_head.shape[0]
         self.dtype = self._lm_head.dtype
+        # What new KV buffers are made like (dtype, device): a plain tensor, also under tensor
+        # parallelism, where the weights are DTensors but the layers' outputs are local.
+        self.kv_like = torch.empty(0, dtype=self.dtype, device=device)
         cfg = model.config.get_text_config()
         self.n_layers = cfg.num_hidden_layers
         heads, hidden = getattr(cfg, "num_attention_heads", None), getattr(cfg, "hidden_size", None)
         self._head_dim = getattr(cfg, "head_dim", None) or (
             hidden // heads if heads and hidden else None)
         # (key-value heads, head dimension) of every layer, for prompt slabs; None: unknown.
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        # Under tensor parallelism each rank holds its share of the heads.
+        kv_heads = (getattr(cfg, "num_key_value_heads", None) or heads or 0) // tp_degree
         self._kv_shape = (kv_heads, self._head_dim) if kv_heads and self._head_dim else None
         self._no_mask = fused.NO_MASK.to(device)
 
@@ -84,7 +88,7 @@ class ModelRunner:
             return DynamicCache(
                 ddp_cache_data=[(k[None], v[None]) for k, v in zip(prefix.keys, prefix.values)])
         heads, dim = self._kv_shape
-        slabs = new_slabs(self._lm_head, [((1, heads, length, dim), (1, heads, length, dim))]
+        slabs = new_slabs(self.kv_like, [((1, heads, length, dim), (1, heads, length, dim))]
                           * self.n_layers)
         done = 0 if prefix is None else prefix.length
         layers = []

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from engine.config import STRATEGIES
 
 if TYPE_CHECKING:
+    from engine.config import EngineConfig
     from engine.grammar import CompiledGrammar
 
 # Bounds on what a client controls per job: each one caps memory or work on the engine thread.
@@ -57,6 +58,36 @@ def check_context(prompt_tokens: int, max_new_tokens: int, limit: int) -> None:
     """Raise ContextLengthExceeded when a prompt and its new tokens do not fit `limit`."""
     if prompt_tokens + max_new_tokens > limit:
         raise ContextLengthExceeded(prompt_tokens, max_new_tokens, limit)
+
+
+def validate_job(prompt_ids: list[int], params: SamplingParams, config: EngineConfig,
+                 vocab_size: int, max_model_len: int) -> str:
+    """Check a job against an engine's limits before it is queued; return its decoding strategy.
+    Raises InvalidParams (ContextLengthExceeded) naming the parameter, the value and the limit.
+    A gateway in front of replicas checks with the replicas' figures, so a refusal is a 400 from
+    the gateway rather than an error from the replica."""
+    params.validate()
+    if not prompt_ids:
+        raise InvalidParams("prompt", "{param} must not be empty")
+    if params.n > config.max_rolling_batch_size:
+        raise InvalidParams(
+            "n",
+            f"{{param}}={params.n} exceeds max_rolling_batch_size="
+            f"{config.max_rolling_batch_size}",
+        )
+    for param, ids in (
+        ("prompt", prompt_ids),
+        ("stop_token_ids", params.stop_token_ids),
+        ("logit_bias", params.logit_bias),
+    ):
+        if (bad := next((t for t in ids if not 0 <= t < vocab_size), None)) is not None:
+            raise InvalidParams(param, f"{{param}} has token id {bad}, outside the vocabulary "
+                                       f"[0, {vocab_size})")
+    strategy = params.resolved_strategy(config.decoding_strategy)
+    if strategy == "contrastive":
+        params.check_contrastive()
+    check_context(len(prompt_ids), params.max_new_tokens, max_model_len)
+    return strategy
 
 
 @dataclass

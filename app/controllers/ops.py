@@ -31,10 +31,14 @@ class OpsController(Controller):
          "loading or draining")
     async def health(self, gw: Gateway) -> Response:
         status = gw.status
+        body: dict = {"status": status}
+        if gw.replica_report is not None:  # engine replicas: what each last reported
+            body["replicas"] = gw.replica_report()
         if status == "ok":
-            return Response(content={"status": status}, status_code=200)
-        headers = {"Retry-After": str(LOADING_RETRY_AFTER)} if status == "loading" else None
-        return Response(content={"status": status}, status_code=503, headers=headers)
+            return Response(content=body, status_code=200)
+        headers = {"Retry-After": str(LOADING_RETRY_AFTER)} \
+            if status in ("loading", "no_replicas") else None
+        return Response(content=body, status_code=503, headers=headers)
 
     @get("/version", operation_id="version", summary="Versions and the engine's configuration "
          "(with API keys set: the configuration only for a caller with a key)")

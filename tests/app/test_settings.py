@@ -113,7 +113,7 @@ def test_bad_env_and_flag_values_name_their_source():
 
 
 def test_unknown_keys_and_accepted_djl_keys_warn(props, caplog):
-    path = props("option.made_up=1\noption.device_map=auto\noption.tensor_parallel_degree=4\n"
+    path = props("option.made_up=1\noption.device_map=auto\noption.tensor_parallel_degree=max\n"
                  "option.rolling_batch=auto\nengine=Python\n")
     with caplog.at_level(logging.WARNING, logger="seqgate.settings"):
         load_settings(config_file=path, env={"SEQGATE_NOPE": "1"})

@@ -22,6 +22,15 @@ def _services(compose) -> dict[str, dict]:
     return compose["services"]
 
 
+def _gateways(compose) -> dict[str, dict]:
+    """The services that run `seqgate serve` (the others are the Ray profile's nodes)."""
+    return {n: s for n, s in _services(compose).items() if s["command"][0] == "seqgate"}
+
+
+def _ray_nodes(compose) -> dict[str, dict]:
+    return {n: s for n, s in _services(compose).items() if s["command"][0] == "ray"}
+
+
 def _bind_mounts(service: dict) -> dict[str, tuple[str, str]]:
     """Container path -> (repository path, mode), for the service's bind mounts (short syntax)."""
     mounts = {}
@@ -77,7 +86,7 @@ def test_services_build_this_dockerfile_with_arguments_it_declares(compose, stag
         assert set(service["build"].get("args", {})) <= declared, name
 
 
-@pytest.mark.parametrize("name", ["seqgate", "seqgate-replica", "seqgate-gpu"])
+@pytest.mark.parametrize("name", ["seqgate", "seqgate-replica", "seqgate-gpu", "seqgate-ray"])
 def test_service_starts_with_settings_the_app_understands(name, compose, runtime, cli):
     """Command flags, the mounted serving.properties and every SEQGATE_* variable load without a
     single warning or error from app/settings.py, and the server listens where the ports point."""
@@ -130,7 +139,8 @@ def test_the_real_env_file_stays_out_of_git_and_the_image():
 def test_health_check_is_the_images_and_asks_a_route_the_app_serves(compose, runtime, routes,
                                                                      cli):
     image_check = list(runtime.last("HEALTHCHECK").value)
-    for name, service in _services(compose).items():
+    assert set(_gateways(compose)) | set(_ray_nodes(compose)) == set(_services(compose))
+    for name, service in _gateways(compose).items():
         test = service["healthcheck"]["test"]
         assert test[0] == "CMD" and test[1:] == image_check[1:], name
         port, path = url_port_and_path(health_url(test))
@@ -174,5 +184,30 @@ def test_replica_runs_beside_the_main_service_on_a_shared_network(compose):
     main, replica = services["seqgate"], services["seqgate-replica"]
     assert replica["image"] == main["image"] and replica["command"] == main["command"]
     assert set(replica["networks"]) & set(main["networks"])
-    host_ports = [p.split(":")[0] for s in services.values() for p in s["ports"]]
+    host_ports = [p.split(":")[0] for s in services.values() for p in s.get("ports", [])]
     assert len(host_ports) == len(set(host_ports)), "two services publish one host port"
+
+
+def test_the_ray_profile_runs_a_head_workers_and_a_gateway_from_one_image(compose, cli):
+    """One image (built with the ray extra) for the head, the workers and the gateway; the
+    gateway and the workers find the head where it listens; the gateway serves replicas."""
+    services = _services(compose)
+    ray_services = {n: s for n, s in services.items() if "ray" in s.get("profiles", [])}
+    assert set(ray_services) == {"seqgate-ray", "ray-head", "ray-worker"}
+    assert len({s["image"] for s in ray_services.values()}) == 1
+    assert all(s["build"]["args"]["SEQGATE_EXTRAS"] == "ray" for s in ray_services.values())
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert any(r.startswith("ray[serve]==") for r in extras["ray"])
+    head = services["ray-head"]["command"]
+    assert head[:3] == ["ray", "start", "--head"] and "--block" in head
+    head_address = f"ray-head:{head[head.index('--port') + 1]}"
+    worker = services["ray-worker"]["command"]
+    assert worker[worker.index("--address") + 1] == head_address and "--block" in worker
+    gateway = services["seqgate-ray"]
+    assert gateway["environment"]["RAY_ADDRESS"] == head_address
+    assert int(cli.parse_args(gateway["command"][1:]).replicas) >= 2
+    for name, node in _ray_nodes(compose).items():
+        assert node["healthcheck"]["test"][1:3] == ["ray", "health-check"], name
