@@ -141,3 +141,12 @@ def test_half_precision_without_a_gpu_is_a_log_line_not_a_crash(caplog):
         with caplog.at_level(logging.WARNING, logger="seqgate.app"):
             _log_device_choice(load_settings({"dtype": dtype}, env={}))
         assert f"option.dtype={dtype} but no GPU" in caplog.text
+
+
+def test_quantize_from_each_source(props):
+    assert load_settings(config_file=props("option.quantize=int4\n"), env={}).engine.quantize \
+        == "int4"
+    assert load_settings(env={"SEQGATE_QUANTIZE": "int8"}).engine.quantize == "int8"
+    assert load_settings(env={}).engine.quantize == "none"
+    with pytest.raises(SettingsError, match=r"^option.quantize .*int3.* one of none, int8, int4"):
+        load_settings(config_file=props("option.quantize=int3\n"), env={})
