@@ -340,9 +340,10 @@ def render(data: dict, doc: Path) -> str:
 
 # Written beside the plots by bench.stall, bench.multiturn and bench.structured; scheduler.md is
 # kept by hand (before/after comparisons across commits, which one run of `make bench` cannot
-# make); grammar.md by bench.grammar_libs (the grammar libraries compared, run by hand).
+# make); grammar.md by bench.grammar_libs (the grammar libraries compared, run by hand);
+# speed.md by hand (profiles and the quantised rows against llama.cpp).
 SCENARIOS = ("stall.md", "multiturn.md", "scheduler.md", "structured.md", "grammar.md",
-             "routing.md")
+             "routing.md", "speed.md")
 
 
 def scheduler_section(doc: Path) -> list[str]:
