@@ -74,8 +74,9 @@ def main() -> None:
                f"vs {rows[0][0]}"]
     print()
     print(markdown_table(headers, rows))
-    path = write_json("contrastive", {"args": args_dict(args), "env": env_info(loaded, args.threads),
-                                      "results": [dict(zip(headers, r)) for r in rows]}, args.out)
+    results = {"args": args_dict(args), "env": env_info(loaded, args.threads),
+               "results": [dict(zip(headers, r)) for r in rows]}
+    path = write_json("contrastive", results, args.out)
     print(f"wrote {path}")
 
 
