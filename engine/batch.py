@@ -146,16 +146,29 @@ class SubBatch:
         cols = torch.arange(self.width + 1, device=lengths.device)
         return cols[None, :] >= (self.width - lengths)[:, None]
 
-    def decode_inputs(self) -> dict[str, torch.Tensor]:
-        """input_ids, attention_mask and position_ids for feeding each row's pending token."""
-        lengths = self._lengths()
-        ids = torch.tensor([[s.pending_token] for s in self.seqs], device=lengths.device)
-        return {"input_ids": ids, "attention_mask": self.decode_mask(lengths).long(),
-                "position_ids": lengths[:, None]}
-
-    def advance(self) -> None:
-        """After a decode forward: every row gained one column."""
+    def advance(self, fed: int = 1) -> None:
+        """After a decode forward that wrote `fed` columns: every row gained one column, the first
+        of them. The others (contrastive candidates' K/V) stay in the buffer past the window
+        until `keep_slots` copies each row's chosen one into place."""
         self.width += 1
+        if fed > 1:
+            for layer in self.cache.layers:
+                layer.end -= fed - 1
+                layer._views()
+
+    def keep_slots(self, slots: list[int]) -> None:
+        """Make each row's newest column hold the K/V of the `slots[i]`-th token it fed (its
+        chosen contrastive candidate; 0 keeps what is there). Right after `advance`."""
+        rows = [i for i, slot in enumerate(slots) if slot]
+        if not rows:
+            return
+        device = self.cache.layers[0].device
+        at = torch.tensor(rows, device=device)
+        offset = torch.tensor([slots[i] for i in rows], device=device)
+        for layer in self.cache.layers:
+            col = layer.end - 1
+            layer.kbuf[at, :, col] = layer.kbuf[at, :, col + offset]
+            layer.vbuf[at, :, col] = layer.vbuf[at, :, col + offset]
 
     def reserve(self, columns: int) -> None:
         """Make room for a window of `columns` columns in every layer, moving the slabs to a

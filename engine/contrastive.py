@@ -3,32 +3,44 @@
 score(v) = (1 - alpha) * p(v | context) - alpha * max_j cos(h_v, h_j), over the top-k candidates v,
 where h_j are the last layer's hidden states of the context tokens and h_v is the last layer's
 hidden state of v placed after the context.
+
+A row's step: its candidates (proposed from the previous step's logits) are all fed at the row's
+next position in the step's forward, each attending to the row's context and itself; the best
+candidate is chosen from their hidden states, and its K/V, hidden state and next-token logits are
+kept as the row's own (as transformers does), so a token costs k fed tokens, not 1 + k.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
-def degeneration_penalty(
-    candidate_hidden: torch.Tensor, context_hidden: torch.Tensor
-) -> torch.Tensor:
-    """max cosine similarity of each candidate [k, d] to any context state [t, d] → [k]."""
-    cand = torch.nn.functional.normalize(candidate_hidden.float(), dim=-1)
-    ctx = torch.nn.functional.normalize(context_hidden.float(), dim=-1)
-    return (cand @ ctx.T).max(dim=-1).values
+@dataclass
+class Candidates:
+    """The tokens proposed for a contrastive row's next position, fed together next step."""
+
+    ids: list[int]  # the top-k allowed tokens, most probable first
+    probs: torch.Tensor  # [k] their probabilities
+    scored: torch.Tensor | None  # [vocab] the logits logprobs report, when the job asks for them
 
 
-def contrastive_choice(
+def contrastive_scores(
     probs: torch.Tensor,
-    candidate_ids: torch.Tensor,
     candidate_hidden: torch.Tensor,
-    context_hidden: torch.Tensor,
-    alpha: float,
-) -> int:
-    """The candidate with the best contrastive score; `probs` are the candidates' probabilities
-    [k].
-    """
-    penalty = degeneration_penalty(candidate_hidden, context_hidden)
-    scores = (1.0 - alpha) * probs.float() - alpha * penalty
-    return int(candidate_ids[int(torch.argmax(scores))])
+    context_hidden: list[torch.Tensor],
+    alpha: torch.Tensor,
+) -> torch.Tensor:
+    """Scores [rows, k] of each row's candidates: `probs` [rows, k], `candidate_hidden`
+    [rows, k, d], each row's context states [t_i, d], `alpha` [rows]. The penalty is one batched
+    product over the rows, contexts padded to the longest."""
+    cand = torch.nn.functional.normalize(candidate_hidden.float(), dim=-1)
+    ctx = torch.nn.utils.rnn.pad_sequence(
+        [torch.nn.functional.normalize(h.float(), dim=-1) for h in context_hidden],
+        batch_first=True)
+    lengths = torch.tensor([len(h) for h in context_hidden], device=ctx.device)
+    padding = torch.arange(ctx.shape[1], device=ctx.device)[None, :] >= lengths[:, None]
+    sims = torch.bmm(cand, ctx.transpose(1, 2)).masked_fill_(padding[:, None, :], float("-inf"))
+    penalty = sims.max(dim=-1).values
+    return (1.0 - alpha[:, None]) * probs.float() - alpha[:, None] * penalty

@@ -1,7 +1,9 @@
 """TokenDecoder: turns a sub-batch's logits into each row's next token and applies stop rules.
 
 Rows of one sub-batch may use different strategies (greedy, sample, contrastive); each group is
-handled with batched tensor code, and a row whose choice raises fails alone.
+handled with batched tensor code, and a row whose choice raises fails alone. A contrastive row
+chooses in two halves: `choose` proposes its candidates from the logits, and `pick` chooses among
+them once the next step's forward has fed them.
 """
 
 from __future__ import annotations
@@ -10,11 +12,10 @@ import logging
 
 import torch
 
-from engine.batch import row_from_cache
-from engine.contrastive import contrastive_choice
+from engine.contrastive import Candidates, contrastive_scores
 from engine.grammar import GrammarMasks
 from engine.job import SeqStatus, Sequence
-from engine.runner import ModelRunner
+from engine.outputs import TokenLogprob
 from engine.sampling import (
     apply_logit_bias,
     apply_penalties,
@@ -36,26 +37,28 @@ def fail(s: Sequence, message: str) -> None:
 class TokenDecoder:
     """Owns the token choice: penalties, strategies, logprobs, and the stop conditions."""
 
-    def __init__(self, runner: ModelRunner, eos_ids: list[int], max_model_len: int):
-        self.runner = runner
+    def __init__(self, vocab_size: int, device: torch.device, eos_ids: list[int],
+                 max_model_len: int):
+        self.vocab_size = vocab_size
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
-        self.generator = torch.Generator(device=runner.device)  # draws for unseeded jobs
+        self.generator = torch.Generator(device=device)  # draws for unseeded jobs
         self.generator.seed()
         self.generated_tokens = 0
-        self.grammar = GrammarMasks(runner.vocab_size)
+        self.grammar = GrammarMasks(vocab_size)
 
-    def choose(self, seqs: list[Sequence], logits: torch.Tensor, sources: list) -> None:
-        """Pick each row's next token; a row whose choice raises fails alone."""
+    def choose(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Pick each row's next token (contrastive rows: propose their candidates); a row whose
+        choice raises fails alone."""
         try:
-            tokens, lps = self._choose_rows(seqs, logits, sources)
+            tokens, lps = self._choose_rows(seqs, logits)
         except Exception:
             # A bug, not a row's fault: say so loudly, then isolate the row that raises.
             log.exception("batched token choice failed; choosing row by row")
             tokens, lps = [], []
             for i, s in enumerate(seqs):
                 try:
-                    t, lp = self._choose_rows([s], logits[i : i + 1], [sources[i]])
+                    t, lp = self._choose_rows([s], logits[i : i + 1])
                     tokens.append(t[0])
                     lps.append(lp[0])
                 except Exception as exc:
@@ -67,12 +70,12 @@ class TokenDecoder:
             if tok is not None and not s.status.finished:
                 self.accept(s, tok, lp)
 
-    def _choose_rows(self, seqs: list[Sequence], logits: torch.Tensor, sources: list):
-        logits = apply_penalties(logits, seqs, self.runner.vocab_size)
+    def _choose_rows(self, seqs: list[Sequence], logits: torch.Tensor):
+        logits = apply_penalties(logits, seqs, self.vocab_size)
         logits = apply_logit_bias(logits, seqs)
         scored = block_stop_tokens(logits, seqs, self.eos_ids)  # what logprobs report
         logits = self._constrain(logits, scored, seqs)
-        tokens: list[int] = [0] * len(seqs)
+        tokens: list[int | None] = [None] * len(seqs)
         strategies = [s.job.strategy for s in seqs]
         greedy = [i for i, st in enumerate(strategies) if st == "greedy"]
         if greedy:
@@ -84,11 +87,12 @@ class TokenDecoder:
             picks = sample_rows(logits[sample], [seqs[i] for i in sample], self.generator)
             for i, t in zip(sample, picks):
                 tokens[i] = t
-        for i, st in enumerate(strategies):
-            if st == "contrastive":
-                tokens[i] = self._contrastive(seqs[i], logits[i], sources[i])
+        contrastive = [i for i, st in enumerate(strategies) if st == "contrastive"]
+        if contrastive:
+            self._propose([seqs[i] for i in contrastive], logits[contrastive],
+                          scored[contrastive])
         lps: list = [None] * len(seqs)
-        want = [i for i, s in enumerate(seqs) if s.params.logprobs]
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs and tokens[i] is not None]
         if want:
             got = logprobs_for(
                 scored[want], [tokens[i] for i in want], [seqs[i].params.top_logprobs for i in want]
@@ -110,18 +114,68 @@ class TokenDecoder:
             masked[dead] = self.grammar.apply(logits, matchers)[dead]
         return masked
 
-    def _contrastive(self, s: Sequence, logits: torch.Tensor, source) -> int:
-        p = s.params
-        # Candidates are allowed tokens only (a grammar or a bias may forbid most of them).
-        k = min(p.top_k or 4, int(torch.isfinite(logits).sum()))
-        probs = logits.softmax(dim=-1)
-        top = probs.topk(k)
-        if hasattr(source, "row"):  # a sub-batch: this row's KV after the step's forward
-            row = source.row(source.seqs.index(s))
-        else:  # a prefill cache
-            row = row_from_cache(source)
-        cand_hidden = self.runner.lookahead(row, top.indices.tolist())
-        return contrastive_choice(top.values, top.indices, cand_hidden, s.hidden, p.penalty_alpha)
+    def _propose(self, seqs: list[Sequence], logits: torch.Tensor, scored: torch.Tensor) -> None:
+        """Each contrastive row's candidates: its top-k tokens among the allowed ones (a grammar
+        or a bias may forbid most of them)."""
+        top_k = torch.tensor([s.params.top_k or 4 for s in seqs], device=logits.device)
+        ks = torch.minimum(top_k, torch.isfinite(logits).sum(dim=-1)).tolist()
+        if 0 in ks:
+            raise ValueError("contrastive search found no allowed token")
+        top = logits.softmax(dim=-1).topk(max(ks))
+        ids = top.indices.tolist()
+        for i, (s, k) in enumerate(zip(seqs, ks)):
+            s.candidates = Candidates(ids[i][:k], top.values[i, :k],
+                                      scored[i] if s.params.logprobs else None)
+
+    def pick(self, seqs: list[Sequence], hidden: torch.Tensor | None,
+             first: torch.Tensor) -> list[int]:
+        """Choose each contrastive row's token among the candidates it fed this step, from their
+        last-layer states `hidden` (the rows' fed tokens, row by row from `first`), and accept
+        it. Returns, per row, which of its fed tokens it keeps (0 for rows that fed one)."""
+        slots = [0] * len(seqs)
+        rows = [i for i, s in enumerate(seqs) if s.candidates is not None]
+        if not rows:
+            return slots
+        try:
+            picked = self._pick_rows([seqs[i] for i in rows], hidden, first[rows])
+        except Exception:
+            log.exception("batched contrastive choice failed; choosing row by row")
+            picked = []
+            for i in rows:
+                try:
+                    picked += self._pick_rows([seqs[i]], hidden, first[i : i + 1])
+                except Exception as exc:
+                    log.exception("contrastive choice failed for %s", seqs[i].job.job_id)
+                    fail(seqs[i], f"contrastive choice failed: {exc}")
+                    picked.append(None)
+        for i, got in zip(rows, picked):
+            s, cand = seqs[i], seqs[i].candidates
+            s.candidates = None
+            if got is not None and not s.status.finished:
+                slots[i] = got[0]
+                self.accept(s, cand.ids[got[0]], got[1])
+        return slots
+
+    def _pick_rows(self, seqs: list[Sequence], hidden: torch.Tensor, first: torch.Tensor
+                   ) -> list[tuple[int, TokenLogprob | None]]:
+        cands = [s.candidates for s in seqs]
+        device = hidden.device
+        counts = torch.tensor([len(c.ids) for c in cands], device=device)
+        slot = torch.arange(int(counts.max()), device=device)[None, :]
+        at = first.to(device)[:, None] + torch.minimum(slot, counts[:, None] - 1)
+        probs = torch.nn.utils.rnn.pad_sequence([c.probs for c in cands], batch_first=True)
+        alpha = torch.tensor([s.params.penalty_alpha for s in seqs], device=device)
+        scores = contrastive_scores(probs, hidden[at], [s.hidden for s in seqs], alpha)
+        slots = scores.masked_fill_(slot >= counts[:, None], float("-inf")).argmax(dim=-1).tolist()
+        lps: list[TokenLogprob | None] = [None] * len(seqs)
+        want = [i for i, c in enumerate(cands) if c.scored is not None]
+        if want:
+            got = logprobs_for(torch.stack([cands[i].scored for i in want]),
+                               [cands[i].ids[slots[i]] for i in want],
+                               [seqs[i].params.top_logprobs for i in want])
+            for i, lp in zip(want, got):
+                lps[i] = lp
+        return list(zip(slots, lps))
 
     def accept(self, s: Sequence, tok: int, lp) -> None:
         """Record a chosen token and apply the stop conditions."""

@@ -23,7 +23,7 @@ from engine.job import Job, SeqStatus, Sequence
 from engine.loader import LoadedModel, load_model
 from engine.outputs import JobDelta, StepStats
 from engine.radix_cache import PrefixEntry, RadixPrefixCache
-from engine.runner import Chunk, ModelRunner
+from engine.runner import Chunk, GroupResult, ModelRunner
 from engine.sampling_params import SamplingParams, validate_job
 from engine.scheduler import PrefillChunk, Scheduler, StepPlan
 from engine.tensor_parallel import Lockstep, RankGroup
@@ -143,7 +143,8 @@ class Engine:
             self.config, self.prefix_cache,
             self.config.chunk_attention_tokens or self.runner.attention_tokens())
         self.batch = RollingBatch()
-        self.decoder = TokenDecoder(self.runner, self.eos_ids, self.max_model_len)
+        self.decoder = TokenDecoder(self.runner.vocab_size, self.loaded.device, self.eos_ids,
+                                    self.max_model_len)
         # Request threads compile grammars here (GrammarCompiler.compile), never the engine.
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_ids)
         self._stats = EngineStats()
@@ -384,12 +385,7 @@ class Engine:
                 for s in sb.seqs:
                     fail(s, f"forward failed: {result}")
                 continue
-            logits, states = result
-            for i, s in enumerate(sb.seqs):
-                s.kv_len += 1
-                if states is not None and s.hidden is not None:
-                    s.hidden = torch.cat([s.hidden, states[i : i + 1]])
-            self.decoder.choose(sb.seqs, logits, [sb] * sb.size)
+            self._advance_rows(sb, result)
         for chunk, result in zip(plan.chunks, results[len(sbs):]):
             job = chunk.job
             touched[job.job_id] = job
@@ -398,13 +394,27 @@ class Engine:
                     fail(s, f"prefill failed: {result}")
                 job.release_prompt()
                 continue
-            logits, states = result
             job.computed = chunk.stop
-            if states is not None:
-                job.hidden.append(states)
+            if result.hidden is not None:
+                job.hidden.append(result.hidden)
             if chunk.last:
-                self._start_decoding(job, logits)
+                self._start_decoding(job, result.logits)
         self._cache_finished()
+
+    def _advance_rows(self, sb: SubBatch, result: GroupResult) -> None:
+        """After a sub-batch's forward: contrastive rows choose among the candidates they fed and
+        keep that one's K/V, hidden state and logits; then every row still running chooses (or
+        proposes) its next token from its kept logits."""
+        slots = self.decoder.pick(sb.seqs, result.hidden, result.first)
+        sb.keep_slots(slots)
+        kept = (result.first + torch.tensor(slots, device=result.first.device)).tolist()
+        for s, at in zip(sb.seqs, kept):
+            s.kv_len += 1
+            if result.hidden is not None and s.hidden is not None:
+                s.hidden = torch.cat([s.hidden, result.hidden[at : at + 1]])
+        live = [i for i, s in enumerate(sb.seqs) if not s.status.finished]
+        if live:
+            self.decoder.choose([sb.seqs[i] for i in live], result.logits[[kept[i] for i in live]])
 
     def _start_decoding(self, job: Job, logits: torch.Tensor) -> None:
         """The prompt is done: cache it, set up its sequences, choose their first tokens. They
@@ -417,7 +427,7 @@ class Engine:
         for s in job.seqs:
             s.start(self.tokenizer, self.loaded.device, hidden)
         n = len(job.seqs)
-        self.decoder.choose(job.seqs, logits[None].expand(n, -1), [job.kv] * n)
+        self.decoder.choose(job.seqs, logits[None].expand(n, -1))
         if job.done:  # every sequence ended on its first token: it never joins
             job.release_prompt()
 

@@ -30,24 +30,37 @@ FUSED_ATTENTION = "seqgate_fused"
 class Group:
     """One group's place in the packed sequence and the cache its KV goes to.
 
-    A decode group is a sub-batch: `tokens` rows, one query each, over its slab. A prefill chunk
-    is one row of `tokens` queries over its prompt's KV so far.
+    A decode group is a sub-batch: `tokens` rows, one query each, over its slab; or, when rows
+    feed contrastive candidates, `slots` queries per row laid out by `index`
+    (`engine.feed.DecodeFeed`). A prefill chunk is one row of `tokens` queries over its prompt's
+    KV so far.
     """
 
     cache: Cache
     start: int  # offset in the packed token dimension
     tokens: int
     rows: int
-    mask: torch.Tensor  # [rows, 1, queries per row, kv columns] bool, True where a query attends
+    mask: torch.Tensor  # [rows, 1, queries per row, kv columns]: bool (True attends) or additive
+    slots: int = 1  # decode groups: queries per row
+    index: torch.Tensor | None = None  # slots > 1: each token's place in [rows * slots]
 
     def split(self, packed: torch.Tensor) -> torch.Tensor:
         """This group's part of a packed [1, heads, tokens, dim] tensor as [rows, heads, q, dim].
         """
         part = packed[:, :, self.start : self.start + self.tokens]
+        if self.slots > 1:
+            if self.index is not None:
+                full = part.new_zeros((*part.shape[:2], self.rows * self.slots, part.shape[-1]))
+                full[:, :, self.index] = part
+                part = full
+            return part[0].unflatten(1, (self.rows, self.slots)).transpose(0, 1)
         return part.transpose(0, 2) if self.rows > 1 else part
 
     def join(self, out: torch.Tensor) -> torch.Tensor:
         """Attention output [rows, q, heads, dim] back to the packed layout [1, tokens, ...]."""
+        if self.slots > 1:
+            flat = out.flatten(0, 1)
+            return (flat if self.index is None else flat[self.index])[None]
         return out.transpose(0, 1) if self.rows > 1 else out
 
 

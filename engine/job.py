@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from llguidance import LLMatcher
 
+from engine.contrastive import Candidates
 from engine.detokenize import IncrementalDetokenizer
 from engine.outputs import JobDelta, TokenLogprob
 from engine.radix_cache import PrefixEntry
@@ -54,10 +55,13 @@ class Sequence:
     job: Job
     index: int  # 0..n-1 within the job
     generated: list[int] = field(default_factory=list)
-    # Tokens in this row's KV: the prompt, then every generated token but the newest.
+    # Tokens in this row's KV: the prompt, then every generated token but the newest (contrastive
+    # rows: every one; the step that chose a token wrote its KV).
     kv_len: int = 0
-    # The newest sampled token, fed to the model at the next decode step.
+    # The newest sampled token, fed to the model at the next decode step (not contrastive rows).
     pending_token: int = -1
+    # Contrastive search: the tokens proposed for the next position, fed together next step.
+    candidates: Candidates | None = None
     status: SeqStatus = SeqStatus.WAITING
     generator: torch.Generator | None = None
     detok: IncrementalDetokenizer | None = None

@@ -10,7 +10,8 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 from engine import fused
-from engine.batch import RowKV, SlabCache, SlabLayer, SubBatch, new_slabs
+from engine.batch import SlabCache, SlabLayer, SubBatch, new_slabs
+from engine.feed import DecodeFeed
 from engine.radix_cache import PrefixEntry
 
 
@@ -28,14 +29,19 @@ class Chunk:
 # The rate of attention kernels relative to matrix products (`ModelRunner.attention_tokens`).
 ATTENTION_RATE = 1 / 3
 
-# What a forward gives one group: logits (None for a chunk that does not end its prompt) and
-# last-layer hidden states when asked; or the exception that failed it.
-GroupResult = tuple[torch.Tensor | None, torch.Tensor | None]
+@dataclass
+class GroupResult:
+    """What a forward gives one group (or, in its place, the exception that failed it)."""
+
+    logits: torch.Tensor | None  # decode: [fed tokens, vocab]; a chunk: [vocab], or None when
+    # it does not end its prompt
+    hidden: torch.Tensor | None  # last-layer hidden states of the fed tokens, when asked
+    first: torch.Tensor | None = None  # decode: each row's first token in `logits`, `hidden`
 
 
 class ModelRunner:
-    """Owns the model's forward calls: the step's packed forward, or one per group; the
-    contrastive look-ahead."""
+    """Owns the model's forward calls: the step's packed forward, or one per group, in which
+    contrastive rows feed their candidates (`engine.feed`)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, tp_degree: int = 1):
         self.model = model
@@ -112,21 +118,24 @@ class ModelRunner:
             logits_to_keep=1,
         )
         logits = out.logits[0, -1].float() if chunk.logits else None
-        return logits, out.hidden_states[-1][0] if chunk.hidden else None
+        return GroupResult(logits, out.hidden_states[-1][0] if chunk.hidden else None)
 
     def decode(self, sb: SubBatch, want_hidden: bool) -> GroupResult:
-        """Feed every row's pending token; returns logits [rows, vocab] and last-layer hidden
-        [rows, hidden].
-        """
-        sb.reserve(sb.width + 1)
+        """Feed every row's pending token, or its contrastive candidates (padded to [rows, slots]
+        here: without the packed path the linear layers see the padding too)."""
+        feed = DecodeFeed.of(sb)
+        sb.reserve(sb.width + feed.slots)
+        mask = feed.one_token_mask().long() if feed.slots == 1 else feed.mask(self.dtype)
         out = self._forward(
-            **sb.decode_inputs(),
+            input_ids=feed.padded(feed.ids),
+            position_ids=feed.padded(feed.positions),
+            attention_mask=mask,
             past_key_values=sb.cache,
             output_hidden_states=want_hidden,
         )
-        sb.advance()
-        hidden = out.hidden_states[-1][:, -1] if want_hidden else None
-        return out.logits[:, -1].float(), hidden
+        sb.advance(feed.slots)
+        hidden = feed.packed(out.hidden_states[-1]) if want_hidden else None
+        return GroupResult(feed.packed(out.logits).float(), hidden, feed.first)
 
     def packed(
         self, sub_batches: list[SubBatch], chunks: list[Chunk], want_hidden: list[bool]
@@ -136,15 +145,19 @@ class ModelRunner:
         says, per sub-batch, whether its rows' hidden states are wanted."""
         groups, ids, positions, keep = [], [], [], []
         offset = 0
-        for sb in sub_batches:
-            sb.reserve(sb.width + 1)
-            inputs = sb.decode_inputs()
-            mask = inputs["attention_mask"].bool()[:, None, None, :]
-            groups.append(fused.Group(sb.cache, offset, sb.size, sb.size, mask))
-            ids.append(inputs["input_ids"].view(-1))
-            positions.append(inputs["position_ids"].view(-1))
-            keep.extend(range(offset, offset + sb.size))
-            offset += sb.size
+        feeds = [DecodeFeed.of(sb) for sb in sub_batches]
+        for sb, feed in zip(sub_batches, feeds):
+            sb.reserve(sb.width + feed.slots)
+            if feed.slots == 1:
+                mask = feed.one_token_mask()[:, None, None, :]
+            else:
+                mask = feed.mask(self.dtype)
+            groups.append(fused.Group(sb.cache, offset, feed.tokens, sb.size, mask, feed.slots,
+                                      feed.index))
+            ids.append(feed.ids)
+            positions.append(feed.positions)
+            keep.extend(range(offset, offset + feed.tokens))
+            offset += feed.tokens
         for ch in chunks:
             n, stop = len(ch.ids), ch.start + len(ch.ids)
             pos = torch.arange(ch.start, stop, device=self.device)
@@ -171,35 +184,16 @@ class ModelRunner:
         hidden = out.hidden_states[-1][0] if hidden_wanted else None  # [tokens, hidden]
         results: list[GroupResult] = []
         row = 0
-        for sb, g, want in zip(sub_batches, groups, want_hidden):
-            sb.advance()
+        for sb, feed, g, want in zip(sub_batches, feeds, groups, want_hidden):
+            sb.advance(feed.slots)
             h = hidden[g.start : g.start + g.tokens] if want else None
-            results.append((logits[row : row + sb.size], h))
-            row += sb.size
+            results.append(GroupResult(logits[row : row + g.tokens], h, feed.first))
+            row += g.tokens
         for ch, g in zip(chunks, groups[len(sub_batches):]):
             lg = None
             if ch.logits:
                 lg = logits[row]
                 row += 1
             h = hidden[g.start : g.start + g.tokens] if ch.hidden else None
-            results.append((lg, h))
+            results.append(GroupResult(lg, h))
         return results
-
-    def lookahead(self, row: RowKV, candidates: list[int]) -> torch.Tensor:
-        """Last-layer hidden states of each candidate token placed after `row` ([k, hidden])."""
-        k = len(candidates)
-        cache = DynamicCache(
-            ddp_cache_data=[
-                (kk[None].expand(k, -1, -1, -1), vv[None].expand(k, -1, -1, -1))
-                for kk, vv in zip(row.keys, row.values)
-            ]
-        )
-        out = self._forward(
-            input_ids=torch.tensor(candidates, device=self.device)[:, None],
-            attention_mask=torch.ones((k, row.length + 1), dtype=torch.long, device=self.device),
-            position_ids=torch.full((k, 1), row.length, device=self.device),
-            past_key_values=cache,
-            output_hidden_states=True,
-            logits_to_keep=1,
-        )
-        return out.hidden_states[-1][:, -1]

@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 
 from engine.batch import GROWTH_COLUMNS, RollingBatch, RowKV, build_sub_batch, new_slabs
+from engine.contrastive import Candidates
+from engine.feed import DecodeFeed
+from engine.fused import Group
 from engine.job import Job, Sequence
 from engine.sampling_params import SamplingParams
 
@@ -89,3 +92,45 @@ def test_rows_leave_and_join_in_place():
     batch.regroup([[ss[1], *longer]], {longer[0]: row(10, 9)})
     assert batch.sub_batches[0] is not sb
     assert torch.equal(batch.sub_batches[0].row(0).keys[0], rows[1].keys[0])
+
+
+def test_candidates_feed_as_a_tree_and_the_chosen_one_is_kept():
+    """A greedy row feeds one token and a contrastive row three, at its next position; the
+    contrastive queries see the row's context and their own new column only; after the write,
+    the row keeps the chosen candidate's K/V as its newest column, read in place."""
+    lengths = [4, 6]
+    sb = build_sub_batch(seqs(lengths), [row(n, i) for i, n in enumerate(lengths)])
+    greedy, contrastive = sb.seqs
+    greedy.pending_token = 7
+    contrastive.candidates = Candidates([11, 12, 13], torch.tensor([0.5, 0.3, 0.2]), None)
+    feed = DecodeFeed.of(sb)
+    assert feed.ids.tolist() == [7, 11, 12, 13] and feed.positions.tolist() == [4, 6, 6, 6]
+    assert feed.first.tolist() == [0, 1] and feed.slots == 3
+    allowed = feed.mask(torch.float32)[:, 0] == 0  # [rows, slots, width + slots]
+    assert allowed[1].tolist() == [[True] * 6 + [True, False, False],
+                                   [True] * 6 + [False, True, False],
+                                   [True] * 6 + [False, False, True]]
+    assert allowed[0, 0].tolist() == [False, False] + [True] * 4 + [True, False, False]
+    # The packed layout round-trips through attention's [rows, heads, slots, dim].
+    group = Group(sb.cache, 0, feed.tokens, sb.size, feed.mask(torch.float32), feed.slots,
+                  feed.index)
+    packed = torch.arange(feed.tokens * HEADS * DIM, dtype=torch.float32).view(
+        1, HEADS, feed.tokens, DIM)
+    split = group.split(packed)
+    assert split.shape == (2, HEADS, 3, DIM)
+    assert torch.equal(split[1, :, 2], packed[0, :, 3]) and torch.equal(split[0, :, 0],
+                                                                       packed[0, :, 0])
+    joined = group.join(split.transpose(1, 2))  # attention returns [rows, q, heads, dim]
+    assert torch.equal(joined, packed.transpose(1, 2))
+    # The forward writes every fed column; the contrastive row keeps its third candidate.
+    sb.reserve(sb.width + feed.slots)
+    new = torch.randn(2, HEADS, 3, DIM)
+    for layer in sb.cache.layers:
+        layer.update(new, new * 2)
+    sb.advance(feed.slots)
+    sb.keep_slots([0, 2])
+    for layer in sb.cache.layers:
+        assert layer.end - layer.start == sb.width == 7
+        assert torch.equal(layer.keys[0, :, -1], new[0, :, 0])
+        assert torch.equal(layer.keys[1, :, -1], new[1, :, 2])
+        assert torch.equal(layer.values[1, :, -1], 2 * new[1, :, 2])

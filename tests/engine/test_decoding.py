@@ -78,6 +78,51 @@ def test_contrastive_in_a_mixed_batch(smollm2, make_engine):
     assert collect(hs[0])[0]["tokens"] == ref
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "forward-per-group"])
+def test_contrastive_with_splitting_prefix_cache_and_chunks(smollm2, make_engine, fuse):
+    """Contrastive rows of different lengths (in separate sub-batches) beside greedy and sampled
+    rows, prompts cut into chunks, one prompt's prefix (with its hidden states) from the cache,
+    written there by a finished contrastive answer: each contrastive output still equals the
+    reference, and logprobs report the chosen tokens."""
+    tok = smollm2.tokenizer
+    eng = make_engine(smollm2, max_rolling_batch_size=8, max_sparsity=0.05, max_splits=3,
+                      max_num_batched_tokens=37, fuse_sub_batches=fuse)
+    long = prompt_of(tok, 3, "what is measured?")
+    cached = run(eng, long, strategy="contrastive", top_k=4, penalty_alpha=0.6, max_new_tokens=2)
+    extended = long + cached[0]["tokens"] + tok.encode(" Tell me more.")
+    fresh = tok.encode(" ".join(["The best way to learn a new language is to read daily."] * 4))
+    contrastive = dict(strategy="contrastive", penalty_alpha=0.6, max_new_tokens=8)
+    # A row already decodes when the others arrive, so their prompts go in chunks (`fresh` in
+    # two at least; the others share sentences with `long`, and most of their KV is cached).
+    hs = [eng.submit(prompt_of(tok, 1, "why?"), SamplingParams(max_new_tokens=16,
+                                                                min_new_tokens=16))]
+    steps = [eng.step(), eng.step()]
+    hs += [
+        eng.submit(extended, SamplingParams(top_k=4, **contrastive)),
+        eng.submit(fresh, SamplingParams(top_k=3, logprobs=True, top_logprobs=2, **contrastive)),
+        eng.submit(prompt_of(tok, 5, "who?"), SamplingParams(strategy="sample", seed=1,
+                                                              max_new_tokens=8)),
+    ]
+    steps += eng.run_until_idle()
+    assert max(st.sub_batches for st in steps) > 1 and sum(st.prefill_chunks for st in steps) > 5
+    assert eng.stats().cached_tokens >= len(long)
+    got = [collect(h)[0] for h in hs]
+    assert got[1]["tokens"] == _reference(smollm2, tuple(extended), 8, 4)
+    assert got[2]["tokens"] == _reference(smollm2, tuple(fresh), 8, 3)
+    assert [lp.token_id for lp in got[2]["logprobs"]] == got[2]["tokens"]
+    assert all(len(lp.top) == 2 for lp in got[2]["logprobs"])
+
+
+_REFERENCES: dict[tuple, list[int]] = {}  # the reference is slow: computed once per session
+
+
+def _reference(loaded, ids: tuple[int, ...], steps: int, k: int) -> list[int]:
+    if (ids, steps, k) not in _REFERENCES:
+        _REFERENCES[ids, steps, k] = contrastive_reference(loaded.model, list(ids), steps, k, 0.6,
+                                                           loaded.tokenizer.eos_token_id)
+    return _REFERENCES[ids, steps, k]
+
+
 def test_seeded_sampling_is_reproducible(smollm2, make_engine):
     eng = make_engine(smollm2)
     ids = smollm2.tokenizer.encode("Write a sentence about cats:")

@@ -16,8 +16,9 @@ from engine.scheduler import Scheduler
 from tests.engine.helpers import collect
 
 
-def params(n_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(strategy="greedy", max_new_tokens=n_tokens, min_new_tokens=n_tokens, **kw)
+def params(n_tokens: int, strategy: str = "greedy", **kw) -> SamplingParams:
+    return SamplingParams(strategy=strategy, max_new_tokens=n_tokens, min_new_tokens=n_tokens,
+                          **kw)
 
 
 def test_jobs_join_next_step_and_leave_when_done(tiny_model, make_engine):
@@ -89,6 +90,35 @@ def test_failing_job_fails_alone(tiny_model, make_engine, monkeypatch):
     hs = [eng.submit(i, params(6)) for i in ids]
     bad = eng.submit([11, 12, 13], params(6, logit_bias={7: 1.0}))
     eng.run_until_idle()
+    failed = collect(bad)[0]
+    assert failed["finish"] == "error" and "injected" in failed["deltas"][-1].error
+    assert [collect(h)[0]["tokens"] for h in hs] == alone
+
+
+def test_failing_contrastive_choice_fails_its_row_alone(tiny_model, make_engine, monkeypatch):
+    """A contrastive row whose choice among its candidates raises fails alone: the other
+    contrastive and greedy rows of its sub-batch go on with the tokens they get alone."""
+    real = decoder_module.contrastive_scores
+
+    def faulty(probs, hidden, context, alpha):
+        if bool((alpha == 0.55).any()):
+            raise RuntimeError("injected contrastive fault")
+        return real(probs, hidden, context, alpha)
+
+    monkeypatch.setattr(decoder_module, "contrastive_scores", faulty)
+    eng = make_engine(tiny_model, max_rolling_batch_size=4, max_sparsity=1.0)
+    jobs = [([1, 2, 3], params(6, strategy="contrastive", top_k=3)),
+            ([4, 5, 6, 7, 8], params(6)),
+            ([9, 10], params(6, strategy="contrastive", top_k=2, penalty_alpha=0.3))]
+    alone = []
+    for ids, p in jobs:
+        h = eng.submit(ids, p)
+        eng.run_until_idle()
+        alone.append(collect(h)[0]["tokens"])
+    hs = [eng.submit(ids, p) for ids, p in jobs]
+    bad = eng.submit([11, 12, 13], params(6, strategy="contrastive", penalty_alpha=0.55))
+    steps = eng.run_until_idle()
+    assert max(st.sub_batches for st in steps) == 1  # one sub-batch: the rows chose together
     failed = collect(bad)[0]
     assert failed["finish"] == "error" and "injected" in failed["deltas"][-1].error
     assert [collect(h)[0]["tokens"] for h in hs] == alone
