@@ -414,7 +414,12 @@ class Engine:
                 s.hidden = torch.cat([s.hidden, result.hidden[at : at + 1]])
         live = [i for i, s in enumerate(sb.seqs) if not s.status.finished]
         if live:
-            self.decoder.choose([sb.seqs[i] for i in live], result.logits[[kept[i] for i in live]])
+            rows = [kept[i] for i in live]
+            # Every row fed one token and runs on (the usual step): its logits as they are,
+            # not a copy of [rows, vocab].
+            logits = result.logits if rows == list(range(len(result.logits))) else \
+                result.logits[rows]
+            self.decoder.choose([sb.seqs[i] for i in live], logits)
 
     def _start_decoding(self, job: Job, logits: torch.Tensor) -> None:
         """The prompt is done: cache it, set up its sequences, choose their first tokens. They

@@ -20,14 +20,11 @@ closely). The kernels are CPU ones: on a GPU the option is ignored (with a warni
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
 from engine.config import QUANTIZE_MODES as MODES
-
-log = logging.getLogger("seqgate.engine")
 
 GROUP = 32  # int4 columns sharing one scale and zero
 MAX_ROWS = 4  # forwards with more rows than this use the de-quantised weights
