@@ -66,6 +66,11 @@ class EngineConfig:
     # Tokens one step computes: every running row's decode token, then prompt chunks in what is
     # left (stall-free chunked prefill). Must exceed max_rolling_batch_size; 0: `token_budget`.
     max_num_batched_tokens: int = 0
+    # While rows decode, a step takes on at most the prompt work that keeps it within this many
+    # times a decode-only step of the same rows (costs learnt from the steps that ran,
+    # engine/step_cost.py); 0 (the default): the token budget alone. A latency setting: on the
+    # ShareGPT sweep 2.5 cost a quarter of the throughput (docs/benchmarks/scheduler.md).
+    stall_ratio: float = 0.0
     # Admission order: fifo; priority (the request's `priority`, lower first); shortest (prompt
     # first). Under the last two a job waiting `scheduling_age_limit` seconds goes first.
     scheduling_policy: str = "fifo"
@@ -110,6 +115,8 @@ class EngineConfig:
             raise ConfigError("max_num_batched_tokens", self.max_num_batched_tokens,
                               f"more than max_rolling_batch_size ({self.max_rolling_batch_size}),"
                               " so that prompts progress while the batch decodes")
+        if self.stall_ratio and not self.stall_ratio > 1.0:
+            raise ConfigError("stall_ratio", self.stall_ratio, "> 1, or 0 to turn it off")
         if self.chunk_attention_tokens < 0:
             raise ConfigError("chunk_attention_tokens", self.chunk_attention_tokens,
                               ">= 0 (0 = derived from the model)")
@@ -121,6 +128,10 @@ class EngineConfig:
             # The other policies read the clock, which differs between ranks in lock step.
             raise ConfigError("scheduling_policy", self.scheduling_policy,
                               "fifo when tensor_parallel_degree > 1")
+        if self.tensor_parallel_degree > 1 and self.quantize != "none":
+            # Each rank's share of a layer is a DTensor shard, which the packed kernels were
+            # never tried on: refused by name rather than run untested.
+            raise ConfigError("quantize", self.quantize, "none when tensor_parallel_degree > 1")
         if self.max_model_len < 0:
             raise ConfigError("max_model_len", self.max_model_len, ">= 0 (0 = the model's)")
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):

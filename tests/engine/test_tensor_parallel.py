@@ -95,6 +95,8 @@ def test_gguf_models_and_clocked_policies_are_refused():
         load_model(EngineConfig(tensor_parallel_degree=2))
     with pytest.raises(ConfigError, match="fifo when tensor_parallel_degree > 1"):
         EngineConfig(tensor_parallel_degree=2, scheduling_policy="shortest")
+    with pytest.raises(ConfigError, match="none when tensor_parallel_degree > 1"):
+        EngineConfig(tensor_parallel_degree=2, quantize="int4")
 
 
 
