@@ -136,6 +136,13 @@ def _float(lo: float, hi: float | None = None) -> Callable[[str], float]:
     return parse
 
 
+def _stall_ratio(v: str) -> float:
+    x = _float(0.0)(v)
+    if x and x <= 1.0:
+        raise ValueError("a number > 1, or 0 to turn it off")
+    return x
+
+
 def _choice(*choices: str, aliases: Mapping[str, str] | None = None) -> Callable[[str], str]:
     def parse(v: str) -> str:
         low = v.strip().lower()
@@ -218,6 +225,9 @@ OPTIONS: tuple[Option, ...] = (
            "--max-num-batched-tokens",
            "tokens per engine step: every running row's next token, then prompt chunks "
            "(0: 256, or twice max_rolling_batch_size when larger)"),
+    Option("stall_ratio", "engine", _stall_ratio, ("option.stall_ratio",), "--stall-ratio",
+           "while rows decode, a step's prompt chunks keep it within this many times a "
+           "decode-only step (costs learnt as it runs; 0, the default: the token budget alone)"),
     Option("chunk_attention_tokens", "engine", _int(0), ("option.chunk_attention_tokens",),
            "--chunk-attention-tokens",
            "context tokens whose attention a prompt chunk is charged one token for "

@@ -1,7 +1,7 @@
 """Do long prompts stall the streams already running? (issue 10: stall-free batching)
 
-    python -m bench.stall [--streams 16] [--long 8] [--budgets 128,256,512]
-                          [--checkout DIR] [--repeats 1]
+    python -m bench.stall [--streams 16] [--long 8] [--budgets 128,256]
+                          [--stall-ratios 2.5] [--checkout DIR] [--repeats 1]
 
 Starts seqgate on a free loopback port and opens `--streams` greedy chat streams of ShareGPT
 first turns (prompts of 16-256 tokens, `--stream-tokens` new tokens each, EOS ignored so that
@@ -16,7 +16,9 @@ second after the last one's first token). The figure of merit is the worst strea
 over its median; target (issue 10) at most 3. Also reported: TPOT p95 (over streams, each
 stream's mean time per token after its first) and the long prompts' TTFT.
 
-Each budget in `--budgets` runs this tree's server with `--max-num-batched-tokens`; `--checkout
+Each budget in `--budgets` runs this tree's server with `--max-num-batched-tokens` and the token
+budget alone (`--stall-ratio 0`); each ratio in `--stall-ratios` runs it with the default budget
+and `--stall-ratio` (prompt work per step bounded by learnt step costs); `--checkout
 DIR` also runs another checkout's server (`python -m app serve` with DIR as working directory,
 this interpreter) with its defaults, labelled "checkout", to measure an older commit in the same
 run:
@@ -172,7 +174,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--long-max", type=int, default=1800)
     ap.add_argument("--arrival-seconds", type=float, default=3.0)
     ap.add_argument("--budgets", default="128,256",
-                    help="comma-separated --max-num-batched-tokens values for this tree")
+                    help="comma-separated --max-num-batched-tokens values for this tree, each "
+                         "with --stall-ratio 0")
+    ap.add_argument("--stall-ratios", default="2.5",
+                    help="comma-separated --stall-ratio values for this tree")
     ap.add_argument("--checkout", type=Path, default=None)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -190,7 +195,10 @@ def main(argv: list[str] | None = None) -> None:
                                 capture_output=True, text=True).stdout.strip() or "?"
         configs.append((f"commit {commit}", args.checkout, []))
     for b in [int(x) for x in args.budgets.split(",") if x.strip()]:
-        configs.append((f"budget {b}", None, ["--max-num-batched-tokens", str(b)]))
+        configs.append((f"budget {b}", None, ["--max-num-batched-tokens", str(b),
+                                               "--stall-ratio", "0"]))
+    for r in [float(x) for x in args.stall_ratios.split(",") if x.strip()]:
+        configs.append((f"stall ratio {r:g}", None, ["--stall-ratio", str(r)]))
     runs = []
     for repeat in range(args.repeats):
         for label, checkout, extra in configs:

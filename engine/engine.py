@@ -26,6 +26,7 @@ from engine.radix_cache import PrefixEntry, RadixPrefixCache
 from engine.runner import Chunk, GroupResult, ModelRunner
 from engine.sampling_params import SamplingParams, validate_job
 from engine.scheduler import PrefillChunk, Scheduler, StepPlan
+from engine.step_cost import StepCost
 from engine.tensor_parallel import Lockstep, RankGroup
 
 log = logging.getLogger("seqgate.engine")
@@ -139,9 +140,11 @@ class Engine:
                                   self.config.tensor_parallel_degree)
         self.fused = self.config.fuse_sub_batches and fused.install(self.loaded.model)
         self.prefix_cache = RadixPrefixCache(self.config.prompt_cache_bytes)
+        # Ranks in lock step must plan alike: no costs read from each one's clock.
         self.scheduler = Scheduler(
             self.config, self.prefix_cache,
-            self.config.chunk_attention_tokens or self.runner.attention_tokens())
+            self.config.chunk_attention_tokens or self.runner.attention_tokens(),
+            StepCost() if ranks is None else None)
         self.batch = RollingBatch()
         self.decoder = TokenDecoder(self.runner.vocab_size, self.loaded.device, self.eos_ids,
                                     self.max_model_len)
@@ -505,6 +508,11 @@ class Engine:
             seconds=seconds,
             abort_free_steps=plan.abort_delays,
         )
+        # Steps that also laid the batch out anew, admitted prompts or started their decoding
+        # carry costs of their own (copies of KV); they would teach the wrong per-unit cost.
+        if self.scheduler.cost is not None and plan.groups is None and not plan.admitted \
+                and not any(c.last for c in plan.chunks):
+            self.scheduler.cost.observe(plan.decode_rows, plan.prefill_units, seconds)
         self._stats.steps = plan.step
         self._stats.last_step = stats
         self._stats.kv_bytes = stats.kv_bytes

@@ -4,7 +4,10 @@ Every step runs the decode token of every running row, never skipped, plus prefi
 waiting prompts in the rest of a token budget (`max_num_batched_tokens`): Sarathi-Serve's
 stall-free batching. A long prompt is prefilled over several steps, a chunk per step, while the
 running streams keep producing a token each step; it joins the decode set the step after its last
-chunk. Jobs are admitted in FIFO order while batch slots last; a new job's prompt starts from the
+chunk. While rows decode, a step's prompt work is also capped by what keeps it within
+`stall_ratio` times a decode-only step, from step costs learnt as the engine runs
+(`engine.step_cost`): a decode row costs several prompt tokens on a CPU, so a token budget alone
+either stalls a large batch or starves prompts beside a small one. Jobs are admitted in FIFO order while batch slots last; a new job's prompt starts from the
 longest prefix the prefix cache holds.
 
 The plan (`StepPlan`) carries everything the step does: aborts, evictions, jobs joining the
@@ -23,6 +26,7 @@ from engine.job import Job, SeqStatus, Sequence
 from engine.partition import Partition, padding, partition_by_sparsity, sparsity
 from engine.queue import JobQueue
 from engine.radix_cache import RadixPrefixCache
+from engine.step_cost import StepCost
 
 # A step's budget when no row decodes (see `Scheduler.schedule`).
 ALONE_TOKENS = 2048
@@ -62,6 +66,7 @@ class StepPlan:
     groups: list[list[Sequence]] | None = None
     decode_rows: int = 0
     chunks: list[PrefillChunk] = field(default_factory=list)
+    prefill_units: int = 0  # the chunks' cost in budget units (`Scheduler.chunk_cost`)
 
     @property
     def prefill_tokens(self) -> int:
@@ -72,8 +77,11 @@ class Scheduler:
     """Owns the wait queue, the jobs being prefilled and the running (decoding) sequences."""
 
     def __init__(self, config: EngineConfig, prefix_cache: RadixPrefixCache | None = None,
-                 attention_tokens: int = 1 << 30):
+                 attention_tokens: int = 1 << 30, cost: StepCost | None = None):
         self.config = config
+        # Learnt step costs that bound a step's prompt work while rows decode; None: the token
+        # budget alone (as under tensor parallelism, where every rank must plan alike).
+        self.cost = cost if config.stall_ratio else None
         self.prefix_cache = prefix_cache
         self.attention_tokens = attention_tokens
         self.queue = JobQueue(config.job_queue_size, config.scheduling_policy,
@@ -122,22 +130,32 @@ class Scheduler:
             self.layout = plan.groups
         plan.decode_rows = len(self.running)
 
-        # With no row decoding there is nothing to stall: prompts go in larger steps (fewer
-        # passes over the weights), bounded for the activations' memory.
-        budget = (self.config.token_budget - plan.decode_rows if plan.decode_rows
-                  else max(self.config.token_budget, ALONE_TOKENS))
+        budget = self.prefill_budget(plan.decode_rows)
         for job in self.prefilling:  # prompts under way first, oldest first
-            if budget <= 0:
+            if plan.prefill_units >= budget:
                 break
-            budget -= self._chunk(plan, job, budget)
-        while budget > 0 and (job := self.queue.peek()) is not None:
+            plan.prefill_units += self._chunk(plan, job, budget - plan.prefill_units)
+        while plan.prefill_units < budget and (job := self.queue.peek()) is not None:
             if self.slots_taken() + job.params.n > self.config.max_rolling_batch_size:
                 break
             self.queue.remove(job)
             self._admit(job)
             plan.admitted.append(job)
-            budget -= self._chunk(plan, job, budget)
+            plan.prefill_units += self._chunk(plan, job, budget - plan.prefill_units)
         return plan
+
+    def prefill_budget(self, decode_rows: int) -> int:
+        """Budget units of prompt work a step with `decode_rows` decode rows takes on: what the
+        token budget leaves, and, while rows decode, no more than keeps the step within
+        `stall_ratio` times a decode-only step (`StepCost`). With no row decoding there is
+        nothing to stall: prompts go in larger steps (fewer passes over the weights), bounded
+        for the activations' memory."""
+        if not decode_rows:
+            return max(self.config.token_budget, ALONE_TOKENS)
+        budget = self.config.token_budget - decode_rows
+        cap = None if self.cost is None else \
+            self.cost.prefill_cap(decode_rows, self.config.stall_ratio)
+        return budget if cap is None else min(budget, cap)
 
     def _take_aborts(self, plan: StepPlan) -> None:
         with self._abort_lock:

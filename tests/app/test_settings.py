@@ -150,3 +150,12 @@ def test_quantize_from_each_source(props):
     assert load_settings(env={}).engine.quantize == "none"
     with pytest.raises(SettingsError, match=r"^option.quantize .*int3.* one of none, int8, int4"):
         load_settings(config_file=props("option.quantize=int3\n"), env={})
+
+
+def test_stall_ratio_from_each_source(props):
+    assert load_settings(env={}).engine.stall_ratio == 0  # off by default
+    assert load_settings(config_file=props("option.stall_ratio=2.5\n"), env={}).engine \
+        .stall_ratio == 2.5
+    assert load_settings(env={"SEQGATE_STALL_RATIO": "3"}).engine.stall_ratio == 3
+    with pytest.raises(SettingsError, match=r"^option.stall_ratio .*> 1, or 0"):
+        load_settings(config_file=props("option.stall_ratio=0.5\n"), env={})

@@ -1,0 +1,127 @@
+"""StepCost (the learnt step costs) and the cap it puts on a step's prompt work, without a
+model: steps are fed with the times a machine would give."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import EngineConfig
+from engine.job import Job, Sequence
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.step_cost import MIN_CAP_UNITS, StepCost
+
+
+def machine(rows: int, units: int) -> float:
+    """A machine where a step costs 25 ms, 4 ms per decode row and 1.25 ms per prompt unit."""
+    return 0.025 + 0.004 * rows + 0.00125 * units
+
+
+def taught(rows_seen=(4, 8, 16), units: int = 100) -> StepCost:
+    cost = StepCost()
+    for r in rows_seen:
+        for _ in range(5):
+            cost.observe(r, 0, machine(r, 0))
+    for _ in range(40):
+        cost.observe(rows_seen[0], units, machine(rows_seen[0], units))
+    return cost
+
+
+def test_no_cap_until_both_costs_are_known():
+    cost = StepCost()
+    assert cost.prefill_cap(8, 2.5) is None
+    cost.observe(8, 0, machine(8, 0))  # decode-only steps alone: the prompt unit is unknown
+    assert cost.prefill_cap(8, 2.5) is None
+    cost.observe(8, 8, machine(8, 8))  # too few units to learn from
+    assert cost.prefill_cap(8, 2.5) is None
+    cost.observe(8, 64, machine(8, 64))
+    assert cost.prefill_cap(8, 2.5) is not None
+    assert cost.prefill_cap(0, 2.5) is None  # nothing decodes: nothing to stall
+
+
+def test_decode_line_and_unit_cost_are_learnt():
+    cost = taught()
+    for rows in (1, 8, 32):
+        assert cost.decode_seconds(rows) == pytest.approx(machine(rows, 0), rel=1e-6)
+    assert cost.unit_seconds == pytest.approx(0.00125, rel=1e-3)
+
+
+def test_cap_keeps_a_mixed_step_within_the_ratio_and_grows_with_the_rows():
+    cost = taught()
+    caps = {rows: cost.prefill_cap(rows, 2.5) for rows in (1, 16, 32)}
+    for rows, cap in caps.items():
+        assert machine(rows, cap) <= 2.5 * machine(rows, 0) + 1e-9
+        assert machine(rows, cap + 2) > 2.5 * machine(rows, 0)  # and not far below it
+    assert caps[1] < caps[16] < caps[32]
+
+
+def test_one_row_count_seen_gives_its_mean_and_the_cap_has_a_floor():
+    cost = taught(rows_seen=(8,))
+    assert cost.decode_seconds(8) == pytest.approx(machine(8, 0))
+    assert cost.prefill_cap(8, 1.01) == MIN_CAP_UNITS
+
+
+def test_costs_follow_a_machine_that_slows_down():
+    cost = taught()
+    before = cost.prefill_cap(8, 2.5)
+    for _ in range(200):  # another process now takes half the machine: decode steps slow down
+        cost.observe(8, 0, 2 * machine(8, 0))
+        cost.observe(8, 100, 2 * machine(8, 100))
+    assert cost.decode_seconds(8) == pytest.approx(2 * machine(8, 0), rel=0.05)
+    assert cost.prefill_cap(8, 2.5) == pytest.approx(before, abs=2)  # both slowed alike
+
+
+def _job(name: str, length: int, first: int = 1) -> Job:
+    j = Job(name, list(range(first, first + length)), SamplingParams(), "greedy")
+    j.seqs = [Sequence(j, 0)]
+    return j
+
+
+def _decoding(sched: Scheduler, rows: int) -> None:
+    for i in range(rows):
+        sched.submit(_job(f"r{i}", 3, first=100 * (i + 1)))
+    for c in sched.schedule().chunks:  # nothing decodes: every prompt in one step
+        c.job.computed = c.stop
+        c.job.seqs[0].kv_len = c.stop
+
+
+def _chunks_of(plan):
+    return [(c.job.job_id, c.start, c.stop) for c in plan.chunks]
+
+
+@pytest.mark.parametrize("ratio", [0.0, 2.5])
+def test_the_scheduler_takes_the_cap_while_rows_decode(ratio):
+    cost = taught()
+    sched = Scheduler(EngineConfig(max_num_batched_tokens=256, stall_ratio=ratio), cost=cost)
+    _decoding(sched, 8)
+    sched.submit(_job("long", 1500, first=2000))
+    plan = sched.schedule()
+    assert plan.decode_rows == 8
+    want = 256 - 8 if not ratio else cost.prefill_cap(8, ratio)
+    if ratio:
+        assert want < 256 - 8  # the cap binds before the token budget
+    # No attention charge here (the scheduler's default): a chunk costs a unit per token.
+    assert _chunks_of(plan) == [("long", 0, want)] and plan.prefill_units == want
+    assert sched.prefill_budget(0) >= 2048  # alone, a prompt is never capped
+
+
+def test_stall_ratio_is_validated():
+    from engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match="stall_ratio"):
+        EngineConfig(stall_ratio=1.0)
+    assert EngineConfig(stall_ratio=0).stall_ratio == 0
+
+
+def test_the_engine_learns_costs_only_when_asked(tiny_model, make_engine):
+    off = make_engine(tiny_model, background=False)
+    assert off.scheduler.cost is None
+    on = make_engine(tiny_model, background=False, stall_ratio=2.5, max_num_batched_tokens=64)
+    rows = [on.submit(list(range(10 + i, 20 + i)), SamplingParams(max_new_tokens=40))
+            for i in range(4)]
+    for _ in range(4):  # the four prompts, alone; then they join and decode
+        on.step()
+    long = on.submit(list(range(100, 400)), SamplingParams(max_new_tokens=2))
+    on.run_until_idle()
+    assert on.scheduler.cost.decode_seconds(4) > 0 and on.scheduler.cost.unit_seconds
+    assert all(h.job_id for h in rows + [long])
