@@ -16,12 +16,16 @@ per-group KV as a `GroupedKV`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+if TYPE_CHECKING:
+    from engine.feed import DecodeFeed
 
 FUSED_ATTENTION = "seqgate_fused"
 
@@ -31,9 +35,8 @@ class Group:
     """One group's place in the packed sequence and the cache its KV goes to.
 
     A decode group is a sub-batch: `tokens` rows, one query each, over its slab; or, when rows
-    feed contrastive candidates, `slots` queries per row laid out by `index`
-    (`engine.feed.DecodeFeed`). A prefill chunk is one row of `tokens` queries over its prompt's
-    KV so far.
+    feed contrastive candidates, `feed.slots` queries per row, laid out by its `DecodeFeed`. A
+    prefill chunk is one row of `tokens` queries over its prompt's KV so far.
     """
 
     cache: Cache
@@ -41,26 +44,24 @@ class Group:
     tokens: int
     rows: int
     mask: torch.Tensor  # [rows, 1, queries per row, kv columns]: bool (True attends) or additive
-    slots: int = 1  # decode groups: queries per row
-    index: torch.Tensor | None = None  # slots > 1: each token's place in [rows * slots]
+    feed: DecodeFeed | None = None  # decode groups: what each row fed
+
+    @property
+    def _slotted(self) -> bool:
+        return self.feed is not None and self.feed.slots > 1
 
     def split(self, packed: torch.Tensor) -> torch.Tensor:
         """This group's part of a packed [1, heads, tokens, dim] tensor as [rows, heads, q, dim].
         """
         part = packed[:, :, self.start : self.start + self.tokens]
-        if self.slots > 1:
-            if self.index is not None:
-                full = part.new_zeros((*part.shape[:2], self.rows * self.slots, part.shape[-1]))
-                full[:, :, self.index] = part
-                part = full
-            return part[0].unflatten(1, (self.rows, self.slots)).transpose(0, 1)
+        if self._slotted:  # [tokens, heads, dim] → [rows, slots, heads, dim], padded
+            return self.feed.padded(part[0].transpose(0, 1)).transpose(1, 2)
         return part.transpose(0, 2) if self.rows > 1 else part
 
     def join(self, out: torch.Tensor) -> torch.Tensor:
         """Attention output [rows, q, heads, dim] back to the packed layout [1, tokens, ...]."""
-        if self.slots > 1:
-            flat = out.flatten(0, 1)
-            return (flat if self.index is None else flat[self.index])[None]
+        if self._slotted:
+            return self.feed.packed(out)[None]
         return out.transpose(0, 1) if self.rows > 1 else out
 
 

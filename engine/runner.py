@@ -152,8 +152,7 @@ class ModelRunner:
                 mask = feed.one_token_mask()[:, None, None, :]
             else:
                 mask = feed.mask(self.dtype)
-            groups.append(fused.Group(sb.cache, offset, feed.tokens, sb.size, mask, feed.slots,
-                                      feed.index))
+            groups.append(fused.Group(sb.cache, offset, feed.tokens, sb.size, mask, feed))
             ids.append(feed.ids)
             positions.append(feed.positions)
             keep.extend(range(offset, offset + feed.tokens))

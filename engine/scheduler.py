@@ -4,11 +4,12 @@ Every step runs the decode token of every running row, never skipped, plus prefi
 waiting prompts in the rest of a token budget (`max_num_batched_tokens`): Sarathi-Serve's
 stall-free batching. A long prompt is prefilled over several steps, a chunk per step, while the
 running streams keep producing a token each step; it joins the decode set the step after its last
-chunk. While rows decode, a step's prompt work is also capped by what keeps it within
-`stall_ratio` times a decode-only step, from step costs learnt as the engine runs
-(`engine.step_cost`): a decode row costs several prompt tokens on a CPU, so a token budget alone
-either stalls a large batch or starves prompts beside a small one. Jobs are admitted in FIFO order while batch slots last; a new job's prompt starts from the
-longest prefix the prefix cache holds.
+chunk. While rows decode, a step's prompt work is also capped, when `stall_ratio` is set, by
+what keeps it within that many times a decode-only step, from step costs learnt as the engine
+runs (`engine.step_cost`): a decode row costs several prompt tokens on a CPU, so a token budget
+alone either stalls a large batch or starves prompts beside a small one. Jobs are admitted in
+FIFO order while batch slots last; a new job's prompt starts from the longest prefix the prefix
+cache holds.
 
 The plan (`StepPlan`) carries everything the step does: aborts, evictions, jobs joining the
 decode set, the partition of the decode rows into sub-batches, and the prefill chunks. Tests
@@ -28,7 +29,7 @@ from engine.queue import JobQueue
 from engine.radix_cache import RadixPrefixCache
 from engine.step_cost import StepCost
 
-# A step's budget when no row decodes (see `Scheduler.schedule`).
+# A step's budget when no row decodes (see `Scheduler.prefill_budget`).
 ALONE_TOKENS = 2048
 
 

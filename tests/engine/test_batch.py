@@ -112,8 +112,7 @@ def test_candidates_feed_as_a_tree_and_the_chosen_one_is_kept():
                                    [True] * 6 + [False, False, True]]
     assert allowed[0, 0].tolist() == [False, False] + [True] * 4 + [True, False, False]
     # The packed layout round-trips through attention's [rows, heads, slots, dim].
-    group = Group(sb.cache, 0, feed.tokens, sb.size, feed.mask(torch.float32), feed.slots,
-                  feed.index)
+    group = Group(sb.cache, 0, feed.tokens, sb.size, feed.mask(torch.float32), feed)
     packed = torch.arange(feed.tokens * HEADS * DIM, dtype=torch.float32).view(
         1, HEADS, feed.tokens, DIM)
     split = group.split(packed)
