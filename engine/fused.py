@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -116,11 +117,11 @@ def install(model: torch.nn.Module) -> bool:
     original = model.config._attn_implementation
     if original == FUSED_ATTENTION:
         return True
-    inner = ALL_ATTENTION_FUNCTIONS.get_interface(original, None) if original != "eager" else None
-    if inner is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        inner = sdpa_attention_forward if original == "sdpa" else _eager(model)
+    if original == "sdpa":
+        inner = _sdpa
+    else:
+        inner = (ALL_ATTENTION_FUNCTIONS.get_interface(original, None) if original != "eager"
+                 else None) or _eager(model)
     mask_fn = ALL_MASK_ATTENTION_FUNCTIONS[original if original in ("sdpa", "eager") else "sdpa"]
 
     def attention(module, query, key, value, attention_mask, **kwargs):
@@ -136,6 +137,27 @@ def install(model: torch.nn.Module) -> bool:
     ALL_MASK_ATTENTION_FUNCTIONS.register(FUSED_ATTENTION, mask_fn)
     model.set_attn_implementation(FUSED_ATTENTION)
     return model.config._attn_implementation == FUSED_ATTENTION
+
+
+def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' SDPA attention, with one query per row run on the key-value heads.
+
+    With grouped-query attention and no mask (a sub-batch of one row), transformers asks the
+    kernel for `enable_gqa`, whose CPU path is several times slower for a single query than
+    the same product with the query heads of a group stacked as rows (SmolLM2-135M, bf16, 2
+    threads, 300 keys: 273 vs 85 µs per layer). transformers stacks them itself when a mask is
+    given; this does it in every case where the mask is shared by all heads."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    rows, heads, q_len, dim = query.shape
+    if (q_len != 1 or groups <= 1 or dropout or kwargs.get("softcap") is not None
+            or kwargs.get("position_bias") is not None
+            or (attention_mask is not None and attention_mask.shape[1] != 1)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(rows, heads // groups, groups, dim), key, value, attn_mask=attention_mask,
+        scale=scaling)
+    return out.reshape(rows, 1, heads, value.shape[-1]), None
 
 
 def _eager(model: torch.nn.Module):
