@@ -168,11 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def bound_native_memory() -> None:
-    """Cap oneDNN's cache of compiled kernels, one per matmul shape (1,024 by default): a rolling
-    batch makes new shapes at almost every step, and under the soak harness the cache alone
-    took hundreds of MiB (docs/reliability.md). Left as it is when the environment sets it; the
-    variable is read when oneDNN first runs, after this."""
+    """Cap the two caches of compiled matmul kernels, one entry per shape, 1,024 each by
+    default: oneDNN's (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`) and ideep's, which torch's CPU matmuls
+    go through (`LRU_CACHE_CAPACITY`). A rolling batch makes new shapes at almost every step;
+    under load the caches took hundreds of MiB, filling for minutes before resident memory
+    levelled off (docs/reliability.md). Left as they are when the environment sets them; both
+    are read when the first matmul runs, after this."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
 
 
 def main(argv: list[str] | None = None) -> int:
