@@ -105,8 +105,9 @@ BAD_INPUTS: dict[str, tuple[str, BadInput]] = {
     "negative-max-tokens": (CHAT_PATH, lambda s, r: _encode(_chat(s.name, max_tokens=-5))),
     "temperature-out-of-range": (CHAT_PATH, lambda s, r: _encode(_chat(s.name, temperature=9.5))),
     "n-too-large": (CHAT_PATH, lambda s, r: _encode(_chat(s.name, n=10_000))),
-    "unsupported-tools": (CHAT_PATH, lambda s, r: _encode(
-        _chat(s.name, tools=[{"type": "function", "function": {"name": "f"}}]))),
+    # function tools are served; other tool types are refused by name
+    "unsupported-tool-type": (CHAT_PATH, lambda s, r: _encode(
+        _chat(s.name, tools=[{"type": "code_interpreter"}]))),
     "empty-prompt": (COMPLETIONS_PATH, lambda s, r: _encode(
         {"model": s.name, "prompt": "", "max_tokens": 4})),
 }
