@@ -28,7 +28,7 @@ from app.settings import Settings, SettingsError, add_arguments, load_settings
 log = logging.getLogger("seqgate")
 
 SWITCH_INTERVAL_S = 0.001
-ONEDNN_CACHE_CAPACITY = 32
+KERNEL_CACHE_CAPACITY = 32
 
 class DrainingServer(uvicorn.Server):
     """uvicorn, with a drain before exit and a ready banner once the socket listens."""
@@ -174,8 +174,8 @@ def bound_native_memory() -> None:
     under load the caches took hundreds of MiB, filling for minutes before resident memory
     levelled off (docs/reliability.md). Left as they are when the environment sets them; both
     are read when the first matmul runs, after this."""
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
-    os.environ.setdefault("LRU_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(KERNEL_CACHE_CAPACITY))
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(KERNEL_CACHE_CAPACITY))
 
 
 def main(argv: list[str] | None = None) -> int:

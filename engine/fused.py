@@ -119,9 +119,10 @@ def install(model: torch.nn.Module) -> bool:
         return True
     if original == "sdpa":
         inner = _sdpa
+    elif original == "eager":
+        inner = _eager(model)
     else:
-        inner = (ALL_ATTENTION_FUNCTIONS.get_interface(original, None) if original != "eager"
-                 else None) or _eager(model)
+        inner = ALL_ATTENTION_FUNCTIONS.get_interface(original, None) or _eager(model)
     mask_fn = ALL_MASK_ATTENTION_FUNCTIONS[original if original in ("sdpa", "eager") else "sdpa"]
 
     def attention(module, query, key, value, attention_mask, **kwargs):
@@ -142,7 +143,8 @@ def install(model: torch.nn.Module) -> bool:
 def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' SDPA attention, with one query per row run on the key-value heads.
 
-    With grouped-query attention and no mask (a sub-batch of one row), transformers asks the
+    With grouped-query attention and no mask (a step of one sub-batch without padding, say one
+    row, runs its own forward, and transformers drops the all-true mask), transformers asks the
     kernel for `enable_gqa`, whose CPU path is several times slower for a single query than
     the same product with the query heads of a group stacked as rows (SmolLM2-135M, bf16, 2
     threads, 300 keys: 273 vs 85 µs per layer). transformers stacks them itself when a mask is
