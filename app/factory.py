@@ -21,7 +21,7 @@ from app.controllers.openai import (
     ModelsController,
 )
 from app.controllers.ops import OpsController
-from app.exception_handlers import EXCEPTION_HANDLERS
+from app.exception_handlers import EXCEPTION_HANDLERS, watch_client
 from app.lifespan import GatewayState, engine_lifespan
 from app.settings import Settings
 from app.version import __version__
@@ -56,6 +56,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         state=State({"gateway": gateway}),
         exception_handlers=EXCEPTION_HANDLERS,
         before_send=[count_response],
+        middleware=[watch_client],
         request_max_body_size=server.max_request_bytes,
         cors_config=CORSConfig(allow_origins=list(server.cors_origins))
         if server.cors_origins else None,

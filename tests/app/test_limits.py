@@ -5,6 +5,7 @@ that /metrics counts."""
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Iterator
 
@@ -167,6 +168,31 @@ def test_outcomes_and_abort_latency_are_counted(live_server):
         time.sleep(0.02)
     assert metric(srv, "seqgate_abort_free_steps_count") == aborts + 1
     assert metric(srv, "seqgate_abort_free_steps_bucket", le="3.0") == aborts + 1
+
+
+def test_a_client_gone_mid_upload_is_not_a_server_error(live_server, caplog):
+    """Litestar raises a 500 when the body stops short; the server logs it at INFO and counts
+    499, so neither the log nor /metrics shows a server error that was the client's doing."""
+    srv = live_server
+    caplog.set_level(logging.INFO, logger="seqgate")
+    errors = metric(srv, "seqgate_http_requests_total", route=CHAT, status="500")
+    gone = metric(srv, "seqgate_http_requests_total", route=CHAT, status="499")
+    host, port = srv.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: seqgate\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 4096\r\n\r\n"
+                     b'{"messages": [{"role": "user", "content": "Hel')
+        time.sleep(0.2)  # the server is waiting for the rest of the body
+    deadline = time.monotonic() + 10
+    while metric(srv, "seqgate_http_requests_total", route=CHAT, status="499") == gone:
+        assert time.monotonic() < deadline, "the cut upload was never counted"
+        time.sleep(0.02)
+    assert metric(srv, "seqgate_http_requests_total", route=CHAT, status="500") == errors
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "client disconnected before the request" in caplog.text
+    # The server still answers.
+    assert httpx.post(srv.url + CHAT, json={**LONG, "max_tokens": 1}, timeout=60).status_code \
+        == 200
 
 
 @pytest.mark.parametrize(("host", "keys", "warned"), [
