@@ -58,14 +58,38 @@ def _common(a: tuple[int, ...], b: list[int]) -> int:
     return i
 
 
+def _gather(parts: list[tuple[PrefixEntry, int, int]], hidden: bool) -> PrefixEntry:
+    """Positions [start, stop) of each part, concatenated, as fresh tensors that share no storage
+    with the parts. Every layer's keys and values go in one block when their shapes agree (the
+    usual case): a node's KV is then one allocation, made and freed whole. Sixty tensors of a
+    few KiB each per node, living as long as the node, fragmented the heap as the tree's entries
+    were evicted and replaced under load, and resident memory crept up (docs/reliability.md)."""
+    first = parts[0][0]
+    length = sum(stop - start for _, start, stop in parts)
+    shapes = {t.shape[::2] for t in (*first.keys, *first.values)}  # (heads, dim) per tensor
+    if len(shapes) == 1:
+        heads, dim = shapes.pop()
+        block = first.keys[0].new_empty((len(first.keys), 2, heads, length, dim))
+        at = 0
+        for kv, start, stop in parts:
+            n = stop - start
+            for i, (k, v) in enumerate(zip(kv.keys, kv.values, strict=True)):
+                block[i, 0, :, at:at + n] = k[:, start:stop]
+                block[i, 1, :, at:at + n] = v[:, start:stop]
+            at += n
+        keys, values = list(block[:, 0].unbind(0)), list(block[:, 1].unbind(0))
+    else:
+        keys = [torch.cat([kv.keys[i][:, a:b] for kv, a, b in parts], dim=1)
+                for i in range(len(first.keys))]
+        values = [torch.cat([kv.values[i][:, a:b] for kv, a, b in parts], dim=1)
+                  for i in range(len(first.values))]
+    return PrefixEntry(keys, values, torch.cat([kv.hidden[a:b] for kv, a, b in parts])
+                       if hidden else None, length)
+
+
 def _slice(kv: PrefixEntry, start: int, stop: int) -> PrefixEntry:
     """Own copies of positions [start, stop): a node never shares storage with another."""
-    return PrefixEntry(
-        [k[:, start:stop].clone() for k in kv.keys],
-        [v[:, start:stop].clone() for v in kv.values],
-        kv.hidden[start:stop].clone() if kv.hidden is not None else None,
-        stop - start,
-    )
+    return _gather([(kv, start, stop)], kv.hidden is not None)
 
 
 class RadixPrefixCache:
@@ -122,15 +146,7 @@ class RadixPrefixCache:
                 self._touch(child)
             self.hits += 1
             self.reused_tokens += matched
-            parts = [(child.kv, n) for child, n in path]
-            return PrefixEntry(
-                [torch.cat([kv.keys[i][:, :n] for kv, n in parts], dim=1)
-                 for i in range(len(parts[0][0].keys))],
-                [torch.cat([kv.values[i][:, :n] for kv, n in parts], dim=1)
-                 for i in range(len(parts[0][0].values))],
-                torch.cat([kv.hidden[:n] for kv, n in parts]) if need_hidden else None,
-                matched,
-            )
+            return _gather([(child.kv, 0, n) for child, n in path], need_hidden)
 
     def insert(self, ids: list[int], kv: PrefixEntry) -> None:
         """Cache `ids` with their KV (`kv` covers at least len(ids) positions; its hidden states,

@@ -53,6 +53,30 @@ def test_the_longest_cached_prefix_wins_and_shared_heads_are_shared():
     cache.check_integrity()
 
 
+def storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_each_node_holds_its_kv_in_one_block_shared_with_nothing():
+    cache = RadixPrefixCache(1 << 30)
+    first, second = [1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9]
+    given_kv = kv_for(first)
+    cache.insert(first, given_kv)
+    cache.insert(second, kv_for(second))  # splits the first node after 3 tokens
+    nodes = [cache._root.children[1], *cache._root.children[1].children.values()]
+    assert len(nodes) == 3
+    blocks = [{storage(t) for t in (*n.kv.keys, *n.kv.values)} for n in nodes]
+    assert all(len(b) == 1 for b in blocks)  # every layer's keys and values: one allocation
+    assert len(set().union(*blocks)) == 3
+    assert storage(given_kv.keys[0]) not in set().union(*blocks)
+    # A node's block is exactly its KV: the byte count is what the allocation holds.
+    assert all(n.kv.keys[0].untyped_storage().nbytes() == n.nbytes for n in nodes)
+    entry = cache.match(first, limit=6)
+    assert_entry_is(entry, first)
+    assert not {storage(t) for t in entry.keys} & set().union(*blocks)
+    cache.check_integrity()
+
+
 def test_min_tokens_and_limit():
     cache = RadixPrefixCache(1 << 30)
     cache.insert([1, 2, 3, 4], kv_for([1, 2, 3, 4]))
