@@ -36,6 +36,9 @@ class _EngineCollector(Collector):
                                 value=s.running)
         yield GaugeMetricFamily("seqgate_prompt_cache_bytes", "Bytes held by the prefix cache",
                                 value=s.prefix_cache_bytes)
+        yield GaugeMetricFamily("seqgate_prompt_cache_budget_bytes", "Most bytes the prefix "
+                                "cache may hold (--prompt-cache-bytes; 0: off)",
+                                value=engine.config.prompt_cache_bytes)
         yield GaugeMetricFamily("seqgate_prompt_cache_entries", "Nodes of the prefix cache's "
                                 "radix tree holding KV", value=s.prefix_cache_entries)
         yield GaugeMetricFamily("seqgate_kv_cache_bytes", "Bytes held by the rolling batch's KV "

@@ -7,10 +7,13 @@
 
 What it measures, and why:
   1. Starts `seqgate serve` (the embedded SmolLM2, on the CPU, a free 127.0.0.1 port) and reads
-     the server's RSS at start, after a warm-up (10% of the run, at most 30 s) and at the end,
-     and every 5 s between: memory that keeps growing under steady load is a leak (target:
-     < 5% from the median of the first 15% of the loaded time to the median of the last 15%;
-     single samples move by ±100 MiB with the KV of whatever runs at that instant).
+     the server's RSS at start, after a warm-up and at the end, and every 5 s between: memory
+     that keeps growing under steady load is a leak (target: < 5% from the median of the first
+     15% of the loaded time after the warm-up to the median of the last 15%; single samples
+     move by ±100 MiB with the KV of whatever runs at that instant). The warm-up is 10% of the
+     run, at most 30 s, and then as long as the prefix cache takes to fill (its first eviction,
+     from /metrics; at most half the run): until then the cache grows by design, up to its
+     budget (--prompt-cache-bytes, 512 MiB by default).
   2. Drives it with `--concurrency` closed-loop clients over the mix of bench/soak_traffic.py:
      ShareGPT chats and completions, streamed or not, greedy or sampled, n=2, stop strings;
      10% cut by the client mid-way (the engine must free their slots), 5% bad input (each must
@@ -119,7 +122,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def warmup_seconds(duration: float) -> float:
+    """The fixed part of the warm-up; `until_prefix_cache_full` may extend it."""
     return min(0.1 * duration, 30.0)
+
+
+def prefix_cache_fill(samples: Samples) -> dict | None:
+    """The prefix cache's budget, bytes and evictions from /metrics; None when not exposed."""
+    budget = samples.get("seqgate_prompt_cache_budget_bytes")
+    if budget is None:
+        return None
+    return {"budget": budget, "bytes": samples.get("seqgate_prompt_cache_bytes", 0.0),
+            "evictions": samples.get("seqgate_prompt_cache_evictions_total", 0.0)}
+
+
+async def until_prefix_cache_full(server: ServerProcess, longest: float) -> tuple[bool, dict]:
+    """Keep the load on until the prefix cache has evicted once (its budget is full: from then
+    on it holds about the same bytes), at most `longest` seconds. (alive, what was seen);
+    returns at once when the cache is off or the server does not expose it."""
+    t0 = time.perf_counter()
+    seen: dict = {"full": False}
+    while True:
+        try:
+            fill = prefix_cache_fill(await asyncio.to_thread(scrape, server.base_url))
+        except httpx.HTTPError:
+            fill = None
+        seen.update(fill or {}, seconds=time.perf_counter() - t0)
+        if fill is None or not fill["budget"]:
+            return server.proc.poll() is None, seen
+        if fill["evictions"]:
+            seen["full"] = True
+            return server.proc.poll() is None, seen
+        if seen["seconds"] >= longest:
+            return server.proc.poll() is None, seen
+        if not await under_load(server, 1.0):
+            return False, seen
 
 
 # -- /metrics ---------------------------------------------------------------------------------
@@ -309,6 +345,11 @@ async def drive(server: ServerProcess, mix: RequestMix, args: argparse.Namespace
         series = asyncio.create_task(sample_rss(server, stop, t0, rss.setdefault("series", [])))
         with CpuAccount(server.pid) as cpu, RssSampler(server.pid, interval=1.0) as sampler:
             alive = await under_load(server, rss["warmup_seconds"])
+            if alive:
+                load = args.duration - args.drain_lead
+                alive, rss["prefix_cache"] = await until_prefix_cache_full(
+                    server, load / 2 - rss["warmup_seconds"])
+                rss["warmup_seconds"] = round(time.perf_counter() - t0, 1)
             if alive:
                 rss["warm"] = await asyncio.to_thread(server.rss)
                 rss["kv_warm"] = await asyncio.to_thread(kv_bytes, server.base_url)

@@ -289,6 +289,20 @@ def _fuzz_lines(fuzz: dict | None) -> list[str]:
     return lines + [""]
 
 
+def _warmup_lines(rss: dict) -> list[str]:
+    """Why the warm-up lasted as long as it did: the prefix cache grows by design until full."""
+    cache = rss.get("prefix_cache")
+    if not cache:
+        return []
+    if not cache.get("budget"):
+        return ["The prefix cache was off (budget 0): the warm-up is the fixed part alone.", ""]
+    state = ("until it first evicted (full)" if cache.get("full") else
+             "but it had not filled when the wait ended (at most half the run)")
+    return [f"The warm-up went on {cache.get('seconds', 0):.0f} s past its fixed part, while the "
+            f"prefix cache filled up to its budget of {_mib(cache['budget'])}, {state}: "
+            f"{_mib(cache.get('bytes'))} held then.", ""]
+
+
 def _series_lines(series: list | None) -> list[str]:
     if not series:
         return []
@@ -325,6 +339,7 @@ def render(data: dict) -> str:
               + (", ".join(f"{p.get('status', 'none')} {p.get('code') or p.get('problem', '')}"
                            for p in d["probes"]) or "-") + ".", ""]
     lines += ["## Memory (RSS of the server's process tree)", "",
+              *_warmup_lines(rss),
               markdown_table(["when", "RSS"], [
                   ["start (/health 200)", _mib(rss.get("start"))],
                   [f"after warm-up ({rss['warmup_seconds']:.0f} s, "

@@ -27,7 +27,7 @@ def test_tokenize_detokenize_round_trip(http, live_server):
     assert http.post("/detokenize", json={"tokens": [10**9]}).json()["error"]["param"] == "tokens"
 
 
-def test_metrics_cover_requests_engine_and_latency(http):
+def test_metrics_cover_requests_engine_and_latency(http, live_server):
     http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
                                             "max_tokens": 3, "temperature": 0, "stream": True})
     http.post("/v1/chat/completions", json={"messages": []})
@@ -47,6 +47,9 @@ def test_metrics_cover_requests_engine_and_latency(http):
     lines = text.splitlines()
     peak = next(line for line in lines if line.startswith("seqgate_kv_cache_peak_bytes"))
     assert float(peak.split()[-1]) > 0  # the streamed request ran in the batch
+    budget = next(line for line in lines
+                  if line.startswith("seqgate_prompt_cache_budget_bytes"))
+    assert float(budget.split()[-1]) == live_server.engine.config.prompt_cache_bytes > 0
     assert 'route="/v1/chat/completions",status="400"' in text
     assert 'route="/v1/chat/completions",status="200"' in text
 

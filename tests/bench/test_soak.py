@@ -19,6 +19,7 @@ from bench.soak import (
     abort_free,
     log_errors,
     parse_fuzz_output,
+    prefix_cache_fill,
     request_outcomes,
     under_load,
     window_growth,
@@ -177,6 +178,10 @@ seqgate_request_outcomes_total{route="completions",outcome="shutdown"} 2.0
     assert request_outcomes(samples) == {"chat": {"finished": 40.0, "client_disconnected": 4.0},
                                          "completions": {"shutdown": 2.0}}
     assert abort_free({}) is None and request_outcomes({}) is None
+    assert prefix_cache_fill({}) is None
+    cache = parse("seqgate_prompt_cache_budget_bytes 1024.0\nseqgate_prompt_cache_bytes 1000.0\n"
+                  "seqgate_prompt_cache_evictions_total 3.0\n")
+    assert prefix_cache_fill(cache) == {"budget": 1024.0, "bytes": 1000.0, "evictions": 3.0}
 
 
 def test_fuzz_output_parsing():
@@ -229,6 +234,10 @@ def test_a_clean_run_passes_and_absent_metrics_read_na():
     text = render(data)
     assert "python -m bench.soak --duration 60" in text and "FAIL" not in text
     assert "`seqgate_request_outcomes_total`: n/a" in text and "## Findings\n\nNone." in text
+    data["rss"]["prefix_cache"] = {"budget": 2**29, "bytes": 2**29 - 2**20, "evictions": 1.0,
+                                   "full": True, "seconds": 41.6}
+    assert ("went on 42 s past its fixed part, while the prefix cache filled up to its budget "
+            "of 512.0 MiB, until it first evicted (full): 511.0 MiB held then.") in render(data)
 
 
 def test_findings_fail_their_targets_and_are_quoted():
