@@ -59,7 +59,7 @@ _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 def check_depth(value: Any, param: str) -> None:
     """400 naming `param` when `value` nests deeper than MAX_SCHEMA_DEPTH (what follows walks
     schemas recursively; a deeper one would exhaust the interpreter's stack)."""
-    level, depth = [value], 0
+    level, depth = [value] if isinstance(value, dict | list) else [], 0  # true, false: leaves
     while level:
         depth += 1
         if depth > MAX_SCHEMA_DEPTH:
