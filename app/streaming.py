@@ -200,7 +200,7 @@ class JobStream:
 
 def _failed(delta: JobDelta) -> ApiError | None:
     if delta.finish_reason == "error":
-        return generation_error(delta.error)
+        return generation_error(delta.error, delta.error_cause)
     if delta.finish_reason == "abort":  # not the client's doing: the engine was stopped
         return ApiError(503, "The job was cancelled: the server is shutting down.",
                         "service_unavailable")

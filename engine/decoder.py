@@ -27,11 +27,12 @@ from engine.sampling import (
 log = logging.getLogger("seqgate.engine")
 
 
-def fail(s: Sequence, message: str) -> None:
-    """Finish a sequence with an error (no-op when it already finished)."""
+def fail(s: Sequence, message: str, cause: str | None = None) -> None:
+    """Finish a sequence with an error (no-op when it already finished); `cause` as
+    JobDelta.error_cause."""
     if not s.status.finished:
         s.status = SeqStatus.ERROR
-        s.error = message
+        s.error, s.error_cause = message, cause
 
 
 class TokenDecoder:
@@ -189,7 +190,11 @@ class TokenDecoder:
         if s.counts is not None:
             s.counts[tok] += 1
         if s.matcher is not None and not s.matcher.consume_token(tok):
-            fail(s, f"the output left its grammar: {s.matcher.get_error()}")
+            # The grammar's own token mask allowed `tok`: what it asks for cannot be written
+            # with this tokenizer (llguidance masks a byte sequence that no token starts
+            # with, e.g. a character in an unassigned plane, as if its lead byte were
+            # already written).
+            fail(s, f"the output left its grammar: {s.matcher.get_error()}", "grammar")
         elif tok in self.eos_ids and not p.ignore_eos:
             s.status = SeqStatus.EOS
         elif tok in p.stop_token_ids:

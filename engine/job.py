@@ -76,6 +76,7 @@ class Sequence:
     out_text: list[str] = field(default_factory=list)
     out_logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
+    error_cause: str | None = None  # "grammar": the request's grammar could not be followed
     final_sent: bool = False  # the finishing delta went out
 
     @property
@@ -110,6 +111,7 @@ class Sequence:
             cached_tokens=self.job.cached_tokens,
             completion_tokens=len(self.generated),
             error=self.error,
+            error_cause=self.error_cause,
         )
         self.out_tokens, self.out_text, self.out_logprobs = [], [], []
         return delta

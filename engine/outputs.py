@@ -32,6 +32,9 @@ class JobDelta:
     cached_tokens: int = 0
     completion_tokens: int = 0  # total so far for this sequence
     error: str | None = None
+    # Why it failed, when the request itself is the cause: "grammar" (the output could not
+    # follow the request's grammar with this tokenizer); None: an engine failure.
+    error_cause: str | None = None
 
     @property
     def finished(self) -> bool:
