@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from engine.host_memory import mapped_empty
+
 if TYPE_CHECKING:
     from engine.job import Sequence
 
@@ -34,8 +36,8 @@ def new_slabs(like: torch.Tensor, shapes: list[tuple[tuple[int, ...], tuple[int,
     """Uninitialised (keys, values) buffers of the given per-layer shapes.
 
     One allocation for the whole sub-batch where every layer has the same shapes (the usual
-    case): a sub-batch's slabs are created and freed together, and as one block of hundreds of
-    MiB they are mapped and unmapped by the allocator instead of being carved out of its heap.
+    case): a sub-batch's slabs are created and freed together, as one block in a memory mapping
+    of its own (engine.host_memory) instead of being carved out of the allocator's heap.
     Carved out of the heap, each regroup's slabs (a new size almost every time) left fragments
     behind that short-lived tensors could not fill, and resident memory crept up under load
     (docs/reliability.md).
@@ -43,7 +45,7 @@ def new_slabs(like: torch.Tensor, shapes: list[tuple[tuple[int, ...], tuple[int,
     kshape, vshape = shapes[0]
     if any(s != shapes[0] for s in shapes) or kshape != vshape:
         return [(like.new_empty(k), like.new_empty(v)) for k, v in shapes]
-    block = like.new_empty((len(shapes), 2, *kshape))
+    block = mapped_empty((len(shapes), 2, *kshape), like)
     return [(block[i, 0], block[i, 1]) for i in range(len(shapes))]
 
 

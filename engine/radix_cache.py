@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.host_memory import mapped_empty
+
 
 @dataclass
 class PrefixEntry:
@@ -61,15 +63,16 @@ def _common(a: tuple[int, ...], b: list[int]) -> int:
 def _gather(parts: list[tuple[PrefixEntry, int, int]], hidden: bool) -> PrefixEntry:
     """Positions [start, stop) of each part, concatenated, as fresh tensors that share no storage
     with the parts. Every layer's keys and values go in one block when their shapes agree (the
-    usual case): a node's KV is then one allocation, made and freed whole. Sixty tensors of a
-    few KiB each per node, living as long as the node, fragmented the heap as the tree's entries
-    were evicted and replaced under load, and resident memory crept up (docs/reliability.md)."""
+    usual case): a node's KV is then one allocation, made and freed whole, in a mapping of its
+    own from 1 MiB up (engine.host_memory). Sixty tensors of a few KiB each per node, living as
+    long as the node, fragmented the heap as the tree's entries were evicted and replaced under
+    load, and resident memory crept up (docs/reliability.md)."""
     first = parts[0][0]
     length = sum(stop - start for _, start, stop in parts)
     shapes = {t.shape[::2] for t in (*first.keys, *first.values)}  # (heads, dim) per tensor
     if len(shapes) == 1:
         heads, dim = shapes.pop()
-        block = first.keys[0].new_empty((len(first.keys), 2, heads, length, dim))
+        block = mapped_empty((len(first.keys), 2, heads, length, dim), first.keys[0])
         at = 0
         for kv, start, stop in parts:
             n = stop - start
