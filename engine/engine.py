@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine import fused
+from engine import fused, lean
 from engine.batch import RollingBatch, RowKV, SubBatch, row_from_cache
 from engine.config import EngineConfig
 from engine.decoder import TokenDecoder, fail
@@ -139,6 +139,9 @@ class Engine:
         self.runner = ModelRunner(self.loaded.model, self.loaded.device,
                                   self.config.tensor_parallel_degree)
         self.fused = self.config.fuse_sub_batches and fused.install(self.loaded.model)
+        # Exact (engine.lean); tensor parallelism's layers go through hooks and keep their own.
+        self.lean_layers = (lean.install(self.loaded.model)
+                            if self.config.tensor_parallel_degree == 1 else 0)
         self.prefix_cache = RadixPrefixCache(self.config.prompt_cache_bytes)
         # Ranks in lock step must plan alike: no costs read from each one's clock.
         self.scheduler = Scheduler(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine import JobHandle
+from engine import JobHandle, lean
 
 SENTENCES = [
     "The river ran quietly past the old mill, carrying leaves from the autumn trees.",
@@ -36,8 +36,9 @@ def varied_prompts(tokenizer, count: int) -> list[list[int]]:
 def reference_greedy(
     model, ids: list[int], max_new_tokens: int, min_new_tokens: int = 0
 ) -> list[int]:
-    """transformers' own greedy decoding, one sequence, no padding."""
-    with torch.inference_mode():
+    """transformers' own greedy decoding, one sequence, no padding (its own decoder layers, also
+    where an engine gave the model lean ones)."""
+    with torch.inference_mode(), lean.original_layers(model):
         out = model.generate(
             torch.tensor([ids], device=model.device),
             max_new_tokens=max_new_tokens,

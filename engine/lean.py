@@ -1,0 +1,147 @@
+"""Lean decoder layers: a Llama decoder layer's forward as one function, without transformers'
+per-module dispatch.
+
+At one row a decode step's arithmetic is small and its time goes to dispatch: each of
+SmolLM2's 30 layers makes 13 module calls (the layer, its attention, two norms, seven linear
+layers, the MLP and its activation), through decorators that rewrite keyword arguments, and
+about 40 tensor operations. This forward runs the same tensor operations in the same order on
+the same weights, so its results are identical bit for bit (tests/engine/test_lean.py checks it
+against the original layer), and calls the linear layers' own `forward` (plain `nn.Linear`
+through `F.linear`). The cache update and the attention function are the model's own
+(`config._attn_implementation`), so the packed step (engine.fused) runs through it unchanged.
+
+It is installed per layer only where the layer is exactly transformers' Llama layer (SmolLM2's
+architecture) with SiLU and no hooks on any of its modules (tensor parallelism and offloading
+work through hooks, and would be bypassed); any other layer keeps its own forward.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from engine.quantize import PackedLinear
+
+try:  # the architecture ships with every transformers 5.x; guarded for the import alone
+    from transformers.activations import SiLUActivation
+    from transformers.models.llama import modeling_llama as _llama
+except ImportError:  # pragma: no cover
+    _llama, SiLUActivation = None, torch.nn.SiLU
+
+_SILU = (torch.nn.SiLU, SiLUActivation)  # both compute F.silu
+
+
+def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if type(module) is torch.nn.Linear:
+        return F.linear(x, module.weight, module.bias)
+    return module.forward(x)  # PackedLinear: no hooks (checked when installed)
+
+
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """LlamaRMSNorm's forward, operation for operation."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def lean_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_mask=None,
+                 position_embeddings=None, **kwargs) -> torch.Tensor:
+    """LlamaDecoderLayer.forward (transformers 5.x), the same operations, called directly."""
+    attn, mlp = layer.self_attn, layer.mlp
+    # The cache's keyword: `cache` in newer 5.x releases, `past_key_values` in earlier ones.
+    cache = kwargs.pop("cache", None)
+    if cache is None:
+        cache = kwargs.pop("past_key_values", None)
+    kwargs.pop("use_cache", None)
+    residual = hidden_states
+    x = _rms_norm(layer.input_layernorm, hidden_states)
+    input_shape = x.shape[:-1]
+    shape = (*input_shape, -1, attn.head_dim)
+    query = _linear(attn.q_proj, x).view(shape).transpose(1, 2)
+    key = _linear(attn.k_proj, x).view(shape).transpose(1, 2)
+    value = _linear(attn.v_proj, x).view(shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    query = (query * cos) + (_rotate_half(query) * sin)
+    key = (key * cos) + (_rotate_half(key) * sin)
+    if cache is not None:
+        key, value = cache.update(key, value, attn.layer_idx)
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
+                                                      _llama.eager_attention_forward)
+    out, _ = attention(attn, query, key, value, attention_mask, dropout=0.0,
+                       scaling=attn.scaling, **kwargs)
+    out = out.reshape(*input_shape, -1).contiguous()
+    hidden_states = residual + _linear(attn.o_proj, out)
+    residual = hidden_states
+    x = _rms_norm(layer.post_attention_layernorm, hidden_states)
+    x = _linear(mlp.down_proj, F.silu(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+    return residual + x
+
+
+# transformers' own output capture (output_hidden_states / output_attentions) hooks the layer
+# and its attention module on the first forward. The layer's hook still runs (the layer is
+# called as before); the attention's captures attention weights, which no engine forward asks
+# for (and SDPA does not compute).
+_CAPTURE_HOOK = "output_capturing_hook"
+
+
+def _hooked(layer: torch.nn.Module) -> bool:
+    for m in layer.modules():
+        hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values(),
+                 *m._backward_hooks.values()]
+        inert = m is layer or m is layer.self_attn
+        if any(not (inert and getattr(h, "__name__", "") == _CAPTURE_HOOK) for h in hooks):
+            return True
+    return False
+
+
+def fits(layer: torch.nn.Module) -> bool:
+    """Whether `lean_forward` computes exactly what this layer's own forward does."""
+    if _llama is None or type(layer) is not _llama.LlamaDecoderLayer:
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+               mlp.down_proj)
+    return (type(attn) is _llama.LlamaAttention and type(mlp) is _llama.LlamaMLP
+            and all(type(n) is _llama.LlamaRMSNorm
+                    for n in (layer.input_layernorm, layer.post_attention_layernorm))
+            and all(type(m) in (torch.nn.Linear, PackedLinear) for m in linears)
+            and type(mlp.act_fn) in _SILU
+            and not attn.training and not _hooked(layer))
+
+
+def install(model: torch.nn.Module) -> int:
+    """Give every fitting decoder layer the lean forward; returns how many got it."""
+    count = 0
+    for module in model.modules():
+        if fits(module):
+            module.forward = types.MethodType(lean_forward, module)
+            count += 1
+    return count
+
+
+@contextmanager
+def original_layers(model: torch.nn.Module) -> Iterator[int]:
+    """Within the block, every layer runs transformers' own forward (tests compare against it);
+    yields how many lean layers were set aside."""
+    saved = {m: f for m in model.modules()
+             if getattr(f := vars(m).get("forward"), "__func__", None) is lean_forward}
+    for m in saved:
+        del m.forward
+    try:
+        yield len(saved)
+    finally:
+        for m, f in saved.items():
+            m.forward = f
