@@ -131,8 +131,9 @@ def generation_error(message: str | None, cause: str | None = None) -> ApiError:
     """A job that failed inside the engine (finish_reason 'error'): a 500, unless the request
     was the cause (`JobDelta.error_cause`)."""
     if cause == "grammar":
+        reason = (message or "").partition("\n")[0]  # llguidance appends its parser state
         return ApiError(400, "The output cannot follow the request's grammar (guided_*, "
-                        "response_format or tools) with this model's tokenizer: "
-                        f"{(message or '').splitlines()[0]}", "invalid_value")
+                        f"response_format or tools) with this model's tokenizer: {reason}",
+                        "invalid_value")
     return ApiError(500, f"Generation failed: {message or 'internal engine error'}",
                     "generation_failed")

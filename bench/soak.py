@@ -147,12 +147,8 @@ async def until_prefix_cache_full(server: ServerProcess, longest: float) -> tupl
         except httpx.HTTPError:
             fill = None
         seen.update(fill or {}, seconds=time.perf_counter() - t0)
-        if fill is None or not fill["budget"]:
-            return server.proc.poll() is None, seen
-        if fill["evictions"]:
-            seen["full"] = True
-            return server.proc.poll() is None, seen
-        if seen["seconds"] >= longest:
+        seen["full"] = bool(fill and fill["budget"] and fill["evictions"])
+        if not (fill and fill["budget"]) or seen["full"] or seen["seconds"] >= longest:
             return server.proc.poll() is None, seen
         if not await under_load(server, 1.0):
             return False, seen

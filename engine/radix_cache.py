@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.host_memory import mapped_empty
+from engine.batch import new_slabs
 
 
 @dataclass
@@ -63,31 +63,25 @@ def _common(a: tuple[int, ...], b: list[int]) -> int:
 def _gather(parts: list[tuple[PrefixEntry, int, int]], hidden: bool) -> PrefixEntry:
     """Positions [start, stop) of each part, concatenated, as fresh tensors that share no storage
     with the parts. Every layer's keys and values go in one block when their shapes agree (the
-    usual case): a node's KV is then one allocation, made and freed whole, in a mapping of its
-    own from 1 MiB up (engine.host_memory). Sixty tensors of a few KiB each per node, living as
-    long as the node, fragmented the heap as the tree's entries were evicted and replaced under
-    load, and resident memory crept up (docs/reliability.md)."""
+    usual case; `engine.batch.new_slabs`): a node's KV is then one allocation, made and freed
+    whole, in a mapping of its own from 1 MiB up (engine.host_memory). Sixty tensors of a few
+    KiB each per node, living as long as the node, fragmented the heap as the tree's entries
+    were evicted and replaced under load, and resident memory crept up (docs/reliability.md)."""
     first = parts[0][0]
     length = sum(stop - start for _, start, stop in parts)
-    shapes = {t.shape[::2] for t in (*first.keys, *first.values)}  # (heads, dim) per tensor
-    if len(shapes) == 1:
-        heads, dim = shapes.pop()
-        block = mapped_empty((len(first.keys), 2, heads, length, dim), first.keys[0])
-        at = 0
-        for kv, start, stop in parts:
-            n = stop - start
-            for i, (k, v) in enumerate(zip(kv.keys, kv.values, strict=True)):
-                block[i, 0, :, at:at + n] = k[:, start:stop]
-                block[i, 1, :, at:at + n] = v[:, start:stop]
-            at += n
-        keys, values = list(block[:, 0].unbind(0)), list(block[:, 1].unbind(0))
-    else:
-        keys = [torch.cat([kv.keys[i][:, a:b] for kv, a, b in parts], dim=1)
-                for i in range(len(first.keys))]
-        values = [torch.cat([kv.values[i][:, a:b] for kv, a, b in parts], dim=1)
-                  for i in range(len(first.values))]
-    return PrefixEntry(keys, values, torch.cat([kv.hidden[a:b] for kv, a, b in parts])
-                       if hidden else None, length)
+    slabs = new_slabs(first.keys[0], [((k.shape[0], length, k.shape[-1]),
+                                       (v.shape[0], length, v.shape[-1]))
+                                      for k, v in zip(first.keys, first.values, strict=True)])
+    at = 0
+    for kv, start, stop in parts:
+        n = stop - start
+        for (k_out, v_out), k, v in zip(slabs, kv.keys, kv.values, strict=True):
+            k_out[:, at:at + n] = k[:, start:stop]
+            v_out[:, at:at + n] = v[:, start:stop]
+        at += n
+    return PrefixEntry([k for k, _ in slabs], [v for _, v in slabs],
+                       torch.cat([kv.hidden[a:b] for kv, a, b in parts]) if hidden else None,
+                       length)
 
 
 def _slice(kv: PrefixEntry, start: int, stop: int) -> PrefixEntry:
