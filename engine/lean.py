@@ -4,10 +4,13 @@ per-module dispatch.
 At one row a decode step's arithmetic is small and its time goes to dispatch: each of
 SmolLM2's 30 layers makes 13 module calls (the layer, its attention, two norms, seven linear
 layers, the MLP and its activation), through decorators that rewrite keyword arguments, and
-about 40 tensor operations. This forward runs the same tensor operations in the same order on
-the same weights, so its results are identical bit for bit (tests/engine/test_lean.py checks it
-against the original layer), and calls the linear layers' own `forward` (plain `nn.Linear`
-through `F.linear`). The cache update and the attention function are the model's own
+about 40 tensor operations. This forward runs the same arithmetic on the same weights, so its
+results are identical bit for bit (tests/engine/test_lean.py checks it against the original
+layer), with fewer operations: the query, key and value projections are one matrix product on
+their stacked weights, the gate and up projections another, and the rotary embedding turns
+query and key heads in one pass (each output element is still the same dot product or the same
+elementwise expression). The original linear layers keep working on views of the stacked
+weights (no second copy). The cache update and the attention function are the model's own
 (`config._attn_implementation`), so the packed step (engine.fused) runs through it unchanged.
 
 It is installed per layer only where the layer is exactly transformers' Llama layer (SmolLM2's
@@ -20,6 +23,7 @@ from __future__ import annotations
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -56,10 +60,68 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class _Stacked(NamedTuple):
+    """A layer's query, key and value projections as one linear layer, and its gate and up
+    projections as another (their weights stacked; the original layers read views of them)."""
+
+    qkv: torch.nn.Module
+    q_heads: int
+    kv_heads: int
+    gate_up: torch.nn.Module
+
+
+def _stack(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
+    if type(parts[0]) is PackedLinear:
+        return PackedLinear.stacked(parts)
+    biases = [p.bias for p in parts]
+    linear = torch.nn.Linear(parts[0].in_features, sum(p.out_features for p in parts),
+                             bias=biases[0] is not None, device="meta")
+    linear.weight = torch.nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = torch.nn.Parameter(torch.cat(biases), requires_grad=False)
+    start = 0
+    for p in parts:
+        end = start + p.out_features
+        p.weight = torch.nn.Parameter(linear.weight[start:end], requires_grad=False)
+        start = end
+    return linear
+
+
+def _stackable(parts: list[torch.nn.Module]) -> bool:
+    first = parts[0]
+    return (all(type(p) is type(first) for p in parts)
+            and len({p.weight.dtype for p in parts}) == 1
+            and len({p.weight.device for p in parts}) == 1
+            and len({p.bias is None for p in parts}) == 1)
+
+
+def _stacked(layer: torch.nn.Module) -> _Stacked | None:
+    """The layer's stacked projections, made on first use; None where its linear layers differ
+    in kind (one packed in int8 where the rest are int4, say)."""
+    if "_lean_stacked" in vars(layer):
+        return vars(layer)["_lean_stacked"]
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+    stacked = None
+    if _stackable(qkv) and _stackable(gate_up):
+        qkv_layer, gate_up_layer = _stack(qkv), _stack(gate_up)
+        if qkv_layer is not None and gate_up_layer is not None:
+            stacked = _Stacked(qkv_layer, attn.q_proj.out_features // attn.head_dim,
+                               attn.k_proj.out_features // attn.head_dim, gate_up_layer)
+    vars(layer)["_lean_stacked"] = stacked
+    return stacked
+
+
 def lean_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_mask=None,
                  position_embeddings=None, **kwargs) -> torch.Tensor:
-    """LlamaDecoderLayer.forward (transformers 5.x), the same operations, called directly."""
+    """LlamaDecoderLayer.forward (transformers 5.x), the same arithmetic, called directly.
+
+    Two changes of form, not of arithmetic: the query, key and value projections run as one
+    matrix product (and the gate and up projections as another), whose output columns are
+    each a dot product over the same inputs as before; and the rotary embedding turns the
+    query and key heads in one pass, element by element as before."""
     attn, mlp = layer.self_attn, layer.mlp
+    stacked = vars(layer)["_lean_stacked"]
     # The cache's keyword: `cache` in newer 5.x releases, `past_key_values` in earlier ones.
     cache = kwargs.pop("cache", None)
     if cache is None:
@@ -68,14 +130,22 @@ def lean_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_
     residual = hidden_states
     x = _rms_norm(layer.input_layernorm, hidden_states)
     input_shape = x.shape[:-1]
-    shape = (*input_shape, -1, attn.head_dim)
-    query = _linear(attn.q_proj, x).view(shape).transpose(1, 2)
-    key = _linear(attn.k_proj, x).view(shape).transpose(1, 2)
-    value = _linear(attn.v_proj, x).view(shape).transpose(1, 2)
     cos, sin = position_embeddings
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    query = (query * cos) + (_rotate_half(query) * sin)
-    key = (key * cos) + (_rotate_half(key) * sin)
+    if stacked is None:
+        shape = (*input_shape, -1, attn.head_dim)
+        query = _linear(attn.q_proj, x).view(shape).transpose(1, 2)
+        key = _linear(attn.k_proj, x).view(shape).transpose(1, 2)
+        value = _linear(attn.v_proj, x).view(shape).transpose(1, 2)
+        query = (query * cos) + (_rotate_half(query) * sin)
+        key = (key * cos) + (_rotate_half(key) * sin)
+    else:
+        heads = stacked.q_heads + stacked.kv_heads
+        qkv = _linear(stacked.qkv, x).view(*input_shape, -1, attn.head_dim).transpose(1, 2)
+        turned = qkv[:, :heads]
+        turned = (turned * cos) + (_rotate_half(turned) * sin)
+        query, key = turned[:, :stacked.q_heads], turned[:, stacked.q_heads:]
+        value = qkv[:, heads:]
     if cache is not None:
         key, value = cache.update(key, value, attn.layer_idx)
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
@@ -86,7 +156,11 @@ def lean_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_
     hidden_states = residual + _linear(attn.o_proj, out)
     residual = hidden_states
     x = _rms_norm(layer.post_attention_layernorm, hidden_states)
-    x = _linear(mlp.down_proj, F.silu(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+    if stacked is None:
+        x = _linear(mlp.down_proj, F.silu(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+    else:
+        gate, up = _linear(stacked.gate_up, x).chunk(2, dim=-1)
+        x = _linear(mlp.down_proj, F.silu(gate) * up)
     return residual + x
 
 
@@ -127,6 +201,8 @@ def install(model: torch.nn.Module) -> int:
     count = 0
     for module in model.modules():
         if fits(module):
+            with torch.no_grad():
+                _stacked(module)
             module.forward = types.MethodType(lean_forward, module)
             count += 1
     return count

@@ -79,6 +79,56 @@ class PackedLinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(dequant.to(dtype), requires_grad=False)
         self.bias = linear.bias
 
+    @classmethod
+    def stacked(cls, parts: list[PackedLinear]) -> PackedLinear | None:
+        """One layer computing `parts` side by side (their outputs concatenated), from their
+        already quantised weights, or None where that cannot be done exactly.
+
+        A row's groups are quantised on their own, so the stacked rows of the parts' packed
+        weights, scales and de-quantised weights are those of the stacked layer, as long as the
+        kernel's packed layout keeps rows apart (the CPU int4 layout interleaves rows in blocks
+        of 64: parts of 32 rows do not stack). That is checked, not assumed: the stacked
+        kernel must reproduce every part's weights exactly on an identity input. The parts
+        then read views of the stacked weights (no second copy); the scales, a few KiB, stay
+        theirs (the kernel wants them contiguous)."""
+        first = parts[0]
+        biases = [p.bias for p in parts]
+        if (any(p.bits != first.bits or p.max_rows != first.max_rows
+                or p.in_features != first.in_features or p.weight.dtype != first.weight.dtype
+                for p in parts) or len({b is None for b in biases}) != 1):
+            return None
+        layer = cls.__new__(cls)
+        torch.nn.Module.__init__(layer)
+        layer.bits, layer.max_rows = first.bits, first.max_rows
+        layer.in_features = first.in_features
+        layer.out_features = sum(p.out_features for p in parts)
+        layer.register_buffer("packed", torch.cat([p.packed for p in parts]))
+        # int4 scales are [column groups, rows, 2], int8 ones [rows]
+        layer.register_buffer("scales", torch.cat([p.scales for p in parts],
+                                                  dim=1 if first.bits == 4 else 0))
+        layer.weight = torch.nn.Parameter(torch.cat([p.weight for p in parts]),
+                                          requires_grad=False)
+        layer.bias = None if biases[0] is None else torch.cat(biases)
+        probe = torch.eye(layer.in_features, dtype=first.weight.dtype,
+                          device=first.weight.device)
+        if not torch.equal(layer.packed_product(probe),
+                           torch.cat([p.packed_product(probe) for p in parts], dim=-1)):
+            return None
+        start = 0
+        for p in parts:
+            end = start + p.out_features
+            p.packed = layer.packed[start:end]
+            p.weight = torch.nn.Parameter(layer.weight[start:end], requires_grad=False)
+            start = end
+        return layer
+
+    def packed_product(self, flat: torch.Tensor) -> torch.Tensor:
+        """`flat` [rows, in_features] times the packed weights (no bias), whatever the rows."""
+        if self.bits == 4:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP,
+                                                              self.scales)
+        return torch.ops.aten._weight_int8pack_mm(flat, self.packed, self.scales)
+
     @staticmethod
     def fits(linear: torch.nn.Linear, bits: int) -> bool:
         """Whether the kernel takes this layer's shape (int4 packs columns by GROUP, rows by 8)."""
@@ -88,13 +138,7 @@ class PackedLinear(torch.nn.Module):
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] > self.max_rows or x.dtype != self.weight.dtype:
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        flat = flat.contiguous()
-        if self.bits == 4:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP,
-                                                             self.scales)
-        else:
-            out = torch.ops.aten._weight_int8pack_mm(flat, self.packed, self.scales)
-        out = out.reshape(*x.shape[:-1], self.out_features)
+        out = self.packed_product(flat.contiguous()).reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:

@@ -1,5 +1,6 @@
 """The lean decoder layer computes exactly what transformers' Llama layer computes: the same
-logits and KV bit for bit, in fp32 and bf16, with plain and packed int4 linear layers."""
+logits and KV bit for bit, in fp32 and bf16, with plain and packed int4 linear layers, with its
+projections stacked and (where the int4 packing keeps them apart) without."""
 
 from __future__ import annotations
 
@@ -14,10 +15,14 @@ from engine import lean
 from engine.quantize import quantize_model
 
 
-def tiny_llama(dtype: torch.dtype) -> LlamaForCausalLM:
+# Head sizes: 16 (key and value projections of 32 rows, which the CPU int4 layout, in blocks
+# of 64 rows, cannot stack) and 64 (SmolLM2's; every projection stacks).
+def tiny_llama(dtype: torch.dtype, head_dim: int = 16) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    heads, kv_heads = (4, 2) if head_dim == 16 else (2, 1)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=heads * head_dim, intermediate_size=128,
+                      num_hidden_layers=3, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, max_position_embeddings=64,
                       attn_implementation="sdpa")
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
@@ -36,13 +41,16 @@ def run(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], DynamicCache]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("quantize", ["none", "int4"])
-def test_lean_layers_match_the_original_bit_for_bit(dtype, quantize):
-    original = tiny_llama(dtype)
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_lean_layers_match_the_original_bit_for_bit(dtype, quantize, head_dim):
+    original = tiny_llama(dtype, head_dim)
     quantize_model(original, quantize)
     leaned = copy.deepcopy(original)
     with torch.inference_mode():  # transformers hooks its output capture in on a first forward
         leaned(input_ids=torch.tensor([[1, 2]]), output_hidden_states=True)
     assert lean.install(leaned) == 3
+    stacked = [vars(layer)["_lean_stacked"] for layer in leaned.model.layers]
+    assert all((s is None) == (quantize == "int4" and head_dim == 16) for s in stacked)
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
     want, want_cache = run(original, ids)
     got, got_cache = run(leaned, ids)
