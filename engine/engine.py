@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine import fused, lean
+from engine import fused, lean, prepack
 from engine.batch import RollingBatch, RowKV, SubBatch, row_from_cache
 from engine.config import EngineConfig
 from engine.decoder import TokenDecoder, fail
@@ -139,9 +139,11 @@ class Engine:
         self.runner = ModelRunner(self.loaded.model, self.loaded.device,
                                   self.config.tensor_parallel_degree)
         self.fused = self.config.fuse_sub_batches and fused.install(self.loaded.model)
-        # Exact (engine.lean); tensor parallelism's layers go through hooks and keep their own.
-        self.lean_layers = (lean.install(self.loaded.model)
-                            if self.config.tensor_parallel_degree == 1 else 0)
+        # Exact (engine.prepack, engine.lean); tensor parallelism's layers go through hooks and
+        # keep their own.
+        single = self.config.tensor_parallel_degree == 1
+        self.prepacked_layers = prepack.install(self.loaded.model) if single else 0
+        self.lean_layers = lean.install(self.loaded.model) if single else 0
         self.prefix_cache = RadixPrefixCache(self.config.prompt_cache_bytes)
         # Ranks in lock step must plan alike: no costs read from each one's clock.
         self.scheduler = Scheduler(

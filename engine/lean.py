@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from engine.prepack import PrepackedLinear
 from engine.quantize import PackedLinear
 
 try:  # the architecture ships with every transformers 5.x; guarded for the import alone
@@ -84,6 +85,10 @@ def _stack(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
         end = start + p.out_features
         p.weight = torch.nn.Parameter(linear.weight[start:end], requires_grad=False)
         start = end
+    if type(parts[0]) is PrepackedLinear:  # the stacked layer's copy serves; theirs would idle
+        linear = PrepackedLinear(linear)
+        for p in parts:
+            p.packed = None
     return linear
 
 
@@ -96,10 +101,9 @@ def _stackable(parts: list[torch.nn.Module]) -> bool:
 
 
 def _stacked(layer: torch.nn.Module) -> _Stacked | None:
-    """The layer's stacked projections, made on first use; None where its linear layers differ
-    in kind (one packed in int8 where the rest are int4, say)."""
-    if "_lean_stacked" in vars(layer):
-        return vars(layer)["_lean_stacked"]
+    """The layer's projections stacked anew (from its current weights: an earlier install's
+    stack may hold another dtype or an older kind of layer); None where its linear layers
+    differ in kind (one packed in int8 where the rest are int4, say)."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
     stacked = None
@@ -108,7 +112,6 @@ def _stacked(layer: torch.nn.Module) -> _Stacked | None:
         if qkv_layer is not None and gate_up_layer is not None:
             stacked = _Stacked(qkv_layer, attn.q_proj.out_features // attn.head_dim,
                                attn.k_proj.out_features // attn.head_dim, gate_up_layer)
-    vars(layer)["_lean_stacked"] = stacked
     return stacked
 
 
@@ -191,7 +194,7 @@ def fits(layer: torch.nn.Module) -> bool:
     return (type(attn) is _llama.LlamaAttention and type(mlp) is _llama.LlamaMLP
             and all(type(n) is _llama.LlamaRMSNorm
                     for n in (layer.input_layernorm, layer.post_attention_layernorm))
-            and all(type(m) in (torch.nn.Linear, PackedLinear) for m in linears)
+            and all(type(m) in (torch.nn.Linear, PackedLinear, PrepackedLinear) for m in linears)
             and type(mlp.act_fn) in _SILU
             and not attn.training and not _hooked(layer))
 
@@ -202,7 +205,7 @@ def install(model: torch.nn.Module) -> int:
     for module in model.modules():
         if fits(module):
             with torch.no_grad():
-                _stacked(module)
+                vars(module)["_lean_stacked"] = _stacked(module)
             module.forward = types.MethodType(lean_forward, module)
             count += 1
     return count

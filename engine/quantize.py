@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import prepack
 from engine.config import QUANTIZE_MODES as MODES
 
 GROUP = 32  # int4 columns sharing one scale and zero
@@ -78,6 +79,7 @@ class PackedLinear(torch.nn.Module):
         self.register_buffer("scales", scales.to(dtype))
         self.weight = torch.nn.Parameter(dequant.to(dtype), requires_grad=False)
         self.bias = linear.bias
+        self.dense_packed: torch.Tensor | None = None  # `weight` for oneDNN (engine.prepack)
 
     @classmethod
     def stacked(cls, parts: list[PackedLinear]) -> PackedLinear | None:
@@ -109,6 +111,7 @@ class PackedLinear(torch.nn.Module):
         layer.weight = torch.nn.Parameter(torch.cat([p.weight for p in parts]),
                                           requires_grad=False)
         layer.bias = None if biases[0] is None else torch.cat(biases)
+        layer.dense_packed = None
         probe = torch.eye(layer.in_features, dtype=first.weight.dtype,
                           device=first.weight.device)
         if not torch.equal(layer.packed_product(probe),
@@ -120,6 +123,10 @@ class PackedLinear(torch.nn.Module):
             p.packed = layer.packed[start:end]
             p.weight = torch.nn.Parameter(layer.weight[start:end], requires_grad=False)
             start = end
+        if first.dense_packed is not None:  # the stacked layer's copy serves; theirs would idle
+            layer.dense_packed = prepack.pack(layer.weight)
+            for p in parts:
+                p.dense_packed = None
         return layer
 
     def packed_product(self, flat: torch.Tensor) -> torch.Tensor:
@@ -137,6 +144,8 @@ class PackedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] > self.max_rows or x.dtype != self.weight.dtype:
+            if self.dense_packed is not None and x.dtype == torch.bfloat16:
+                return prepack.product(x, self.dense_packed, self.bias)
             return torch.nn.functional.linear(x, self.weight, self.bias)
         out = self.packed_product(flat.contiguous()).reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
