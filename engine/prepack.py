@@ -8,8 +8,8 @@ its 49,152 × 576 output head at 32 rows 8.6 vs 5.0 ms). In the engine's step, b
 29-34 → 23-24 ms, 32 rows: 71-74 → 58-60 ms. This is the path PyTorch's own compiler takes for
 frozen bf16 linear layers on the CPU (`mkldnn._reorder_linear_weight`,
 `mkldnn._linear_pointwise`); here it is taken without compiling anything. On the machine
-measured (AMD EPYC) its products were bit-for-bit equal to `F.linear`'s; oneDNN does not promise that, and
-tests/engine/test_prepack.py asks for bf16 closeness.
+measured (AMD EPYC) its products were bit-for-bit equal to `F.linear`'s; oneDNN does not
+promise that, and tests/engine/test_prepack.py asks for bf16 closeness.
 
 A `PrepackedLinear` keeps the plain weight too (a head tied to the embeddings shares it, and
 other code reads it); the oneDNN copy costs as much memory again. Only bf16 weights on a CPU
