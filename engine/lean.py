@@ -61,6 +61,31 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+# The rotary tables of the forward in progress, as `_rotate` uses them: every layer of a
+# forward gets the same position embeddings, so they are reshaped (and sin's sign turned) once
+# per forward, not once per layer. Keyed by the model's own sin tensor.
+_tables: tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None] = (None, None)
+
+
+def _rotary_tables(position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin with the first half of each row negated), both [rows, 1, tokens, dim]."""
+    global _tables
+    cos, sin = position_embeddings
+    seen, tables = _tables
+    if seen is not sin:
+        half = sin.shape[-1] // 2
+        tables = (cos.unsqueeze(1),
+                  torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1))
+        _tables = (sin, tables)
+    return tables
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`x * cos + _rotate_half(x) * sin` in fewer operations, equal bit for bit: the halves
+    swapped by one `roll`, the sign moved from x onto sin ((-a) * b == a * (-b) exactly)."""
+    return (x * cos) + (x.roll(x.shape[-1] // 2, dims=-1) * signed_sin)
+
+
 class _Stacked(NamedTuple):
     """A layer's query, key and value projections as one linear layer, and its gate and up
     projections as another (their weights stacked; the original layers read views of them)."""
@@ -133,9 +158,9 @@ def lean_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_
     residual = hidden_states
     x = _rms_norm(layer.input_layernorm, hidden_states)
     input_shape = x.shape[:-1]
-    cos, sin = position_embeddings
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     if stacked is None:
+        cos, sin = position_embeddings
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         shape = (*input_shape, -1, attn.head_dim)
         query = _linear(attn.q_proj, x).view(shape).transpose(1, 2)
         key = _linear(attn.k_proj, x).view(shape).transpose(1, 2)
@@ -145,8 +170,7 @@ def lean_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_
     else:
         heads = stacked.q_heads + stacked.kv_heads
         qkv = _linear(stacked.qkv, x).view(*input_shape, -1, attn.head_dim).transpose(1, 2)
-        turned = qkv[:, :heads]
-        turned = (turned * cos) + (_rotate_half(turned) * sin)
+        turned = _rotate(qkv[:, :heads], *_rotary_tables(position_embeddings))
         query, key = turned[:, :stacked.q_heads], turned[:, stacked.q_heads:]
         value = qkv[:, heads:]
     if cache is not None:
