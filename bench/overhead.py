@@ -12,7 +12,7 @@ greedy, exactly --new-tokens each, driven step by step from this thread (`start(
   - engine runner.decode: building ids / mask / positions plus the forward;
   - engine model forward: the model call alone (the engine's slab KV cache, written in place).
 Bare baselines: the same prompts left-padded into one batch and prefilled in one call, then
-`model(ids[b, 1], past_key_values, attention_mask, position_ids)` per step, with
+`model(ids[b, 1], cache, attention_mask, position_ids)` per step, with
   - a transformers DynamicCache (it grows by torch.cat, so it copies its whole KV every step), and
   - the engine's preallocated slab cache (engine.batch.SlabLayer), which isolates the scheduler.
 The bare forwards run in lock step with the engine (engine step k, then bare forward k over the
@@ -43,6 +43,7 @@ from bench.common import (
 )
 from bench.sharegpt import load_requests
 from engine.batch import GROWTH_COLUMNS, SlabCache, SlabLayer
+from engine.runner import cache_keyword
 
 TARGET = 0.15
 FIRST_PURE_STEP = 3
@@ -103,10 +104,11 @@ class BareDecode:
         self.mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
                                  device=self.dev)
         self.lengths = self.mask.sum(-1)
+        self.cache_kw = cache_keyword(self.model)
         cache = DynamicCache()
         out = self.model(input_ids=ids, attention_mask=self.mask,
                          position_ids=(self.mask.cumsum(-1) - 1).clamp(min=0),
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+                         **{self.cache_kw: cache}, use_cache=True, logits_to_keep=1)
         self.cache = _as_slab(cache, width) if slab else cache
         self.next = out.logits[:, -1].argmax(-1, keepdim=True)
         self.i = 0
@@ -119,7 +121,7 @@ class BareDecode:
         sync(self.dev)
         t = time.perf_counter()
         out = self.model(input_ids=self.next, attention_mask=self.mask, position_ids=pos,
-                         past_key_values=self.cache, use_cache=True)
+                         **{self.cache_kw: self.cache}, use_cache=True)
         sync(self.dev)
         elapsed = time.perf_counter() - t
         self.next = out.logits[:, -1].argmax(-1, keepdim=True)

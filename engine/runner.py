@@ -4,6 +4,7 @@ asked). No policy.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,13 @@ class GroupResult:
     first: torch.Tensor | None = None  # decode: each row's first token in `logits`, `hidden`
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword `model`'s forward takes its KV cache by: `cache` in transformers releases
+    that renamed it, `past_key_values` before (deprecated since, to be removed in 5.40)."""
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 class ModelRunner:
     """Owns the model's forward calls: the step's packed forward, or one per group, in which
     contrastive rows feed their candidates (`engine.feed`)."""
@@ -62,6 +70,7 @@ class ModelRunner:
         kv_heads = (getattr(cfg, "num_key_value_heads", None) or heads or 0) // tp_degree
         self._kv_shape = (kv_heads, self._head_dim) if kv_heads and self._head_dim else None
         self._no_mask = fused.NO_MASK.to(device)
+        self._cache_keyword = cache_keyword(model)
 
     def attention_tokens(self) -> int:
         """Context tokens whose attention costs about as much as one token's linear layers.
@@ -77,7 +86,8 @@ class ModelRunner:
         pair = 4 * heads * self._head_dim * self.n_layers
         return max(1, round(2 * linear / pair * ATTENTION_RATE))
 
-    def _forward(self, **kwargs):
+    def _forward(self, cache: Cache, **kwargs):
+        kwargs[self._cache_keyword] = cache
         return self.model(use_cache=True, return_dict=True, **kwargs)
 
     def prompt_cache(self, prefix: PrefixEntry | None, length: int) -> Cache:
@@ -113,7 +123,7 @@ class ModelRunner:
             input_ids=torch.tensor([chunk.ids], device=self.device),
             attention_mask=torch.ones((1, stop), dtype=torch.long, device=self.device),
             position_ids=torch.arange(start, stop, device=self.device)[None],
-            past_key_values=chunk.cache,
+            cache=chunk.cache,
             output_hidden_states=chunk.hidden,
             logits_to_keep=1,
         )
@@ -130,7 +140,7 @@ class ModelRunner:
             input_ids=feed.padded(feed.ids),
             position_ids=feed.padded(feed.positions),
             attention_mask=mask,
-            past_key_values=sb.cache,
+            cache=sb.cache,
             output_hidden_states=want_hidden,
         )
         sb.advance(feed.slots)
@@ -175,7 +185,7 @@ class ModelRunner:
             input_ids=torch.cat(ids)[None],
             position_ids=torch.cat(positions)[None],
             attention_mask=self._no_mask,
-            past_key_values=fused.PackedCache(groups, self.n_layers),
+            cache=fused.PackedCache(groups, self.n_layers),
             output_hidden_states=hidden_wanted,
             logits_to_keep=torch.tensor(keep, device=self.device),
         )

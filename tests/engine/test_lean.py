@@ -13,6 +13,7 @@ from transformers.cache_utils import DynamicCache
 
 from engine import lean
 from engine.quantize import quantize_model
+from engine.runner import cache_keyword
 
 
 # Head sizes: 16 (key and value projections of 32 rows, which the CPU int4 layout, in blocks
@@ -33,7 +34,7 @@ def run(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], DynamicCache]:
     cache, logits = DynamicCache(), []
     with torch.inference_mode():
         for chunk in (ids[:, :7], ids[:, 7:8], ids[:, 8:9]):
-            out = model(input_ids=chunk, past_key_values=cache, use_cache=True,
+            out = model(input_ids=chunk, **{cache_keyword(model): cache}, use_cache=True,
                         output_hidden_states=True)
             logits += [out.logits, out.hidden_states[-1]]
     return logits, cache
