@@ -4,6 +4,7 @@ a killed replica. One Ray instance and one gateway per router policy for the who
 from __future__ import annotations
 
 import json
+import random
 import re
 import signal
 import time
@@ -53,12 +54,15 @@ def ask(client, system: str, k: int, i: int) -> Answer:
 
 
 def shared_prompt_workload(gateway, prompts: list[str]) -> list[Answer]:
-    """Each prompt's first request (the four at once), then the other 60 interleaved, 8 at a
-    time, as clients sharing system prompts would send them."""
+    """Each prompt's first request (the four at once), then the other 60 in a shuffled order
+    (the same for every policy), 8 at a time, as clients sharing system prompts would send them.
+    Shuffled, not in turn: with 4 prompts taking turns, round-robin over 2 replicas would send
+    each prompt's requests to one replica, unless the threads happened to reorder them."""
     client = gateway.client()
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda k: ask(client, prompts[k], k, 0), range(PROMPTS)))
         rest = [(k, i) for i in range(1, PER_PROMPT) for k in range(PROMPTS)]
+        random.Random(0).shuffle(rest)
         answers += pool.map(lambda ki: ask(client, prompts[ki[0]], *ki), rest)
     return answers
 
