@@ -105,11 +105,8 @@ def _stack(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
     linear.weight = torch.nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
     if linear.bias is not None:
         linear.bias = torch.nn.Parameter(torch.cat(biases), requires_grad=False)
-    start = 0
-    for p in parts:
-        end = start + p.out_features
-        p.weight = torch.nn.Parameter(linear.weight[start:end], requires_grad=False)
-        start = end
+    for p, rows in zip(parts, linear.weight.split([p.out_features for p in parts])):
+        p.weight = torch.nn.Parameter(rows, requires_grad=False)
     if type(parts[0]) is PrepackedLinear:  # the stacked layer's copy serves; theirs would idle
         linear = PrepackedLinear(linear)
         for p in parts:

@@ -117,12 +117,10 @@ class PackedLinear(torch.nn.Module):
         if not torch.equal(layer.packed_product(probe),
                            torch.cat([p.packed_product(probe) for p in parts], dim=-1)):
             return None
-        start = 0
-        for p in parts:
-            end = start + p.out_features
-            p.packed = layer.packed[start:end]
-            p.weight = torch.nn.Parameter(layer.weight[start:end], requires_grad=False)
-            start = end
+        sizes = [p.out_features for p in parts]
+        for p, packed, rows in zip(parts, layer.packed.split(sizes), layer.weight.split(sizes)):
+            p.packed = packed
+            p.weight = torch.nn.Parameter(rows, requires_grad=False)
         if first.dense_packed is not None:  # the stacked layer's copy serves; theirs would idle
             layer.dense_packed = prepack.pack(layer.weight)
             for p in parts:
