@@ -69,7 +69,8 @@ class EngineConfig:
     # While rows decode, a step takes on at most the prompt work that keeps it within this many
     # times a decode-only step of the same rows (costs learnt from the steps that ran,
     # engine/step_cost.py); 0 (the default): the token budget alone. A latency setting: on the
-    # ShareGPT sweep 2.5 cost a quarter of the throughput (docs/benchmarks/scheduler.md).
+    # ShareGPT sweep 2.5 keeps the throughput and lowers TPOT p95, but prompts wait longer for
+    # their first token (docs/benchmarks/scheduler.md).
     stall_ratio: float = 0.0
     # Admission order: fifo; priority (the request's `priority`, lower first); shortest (prompt
     # first). Under the last two a job waiting `scheduling_age_limit` seconds goes first.

@@ -513,10 +513,9 @@ class Engine:
             seconds=seconds,
             abort_free_steps=plan.abort_delays,
         )
-        # Steps that also laid the batch out anew, admitted prompts or started their decoding
-        # carry costs of their own (copies of KV); they would teach the wrong per-unit cost.
-        if self.scheduler.cost is not None and plan.groups is None and not plan.admitted \
-                and not any(c.last for c in plan.chunks):
+        # Steps that laid the batch out anew carry a cost of their own (copies of KV) that
+        # neither rows nor prompt units explain.
+        if self.scheduler.cost is not None and plan.groups is None:
             self.scheduler.cost.observe(plan.decode_rows, plan.prefill_units, seconds)
         self._stats.steps = plan.step
         self._stats.last_step = stats

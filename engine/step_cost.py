@@ -6,63 +6,88 @@ several prompt tokens (16 rows decode in ~90 ms, where 240 prompt tokens add ~34
 right number of prompt tokens per step grows with the rows decoding. So the scheduler asks
 `StepCost.prefill_cap`: the most prompt budget units (a token each, plus its attention,
 `Scheduler.chunk_cost`) that keep a mixed step within `stall_ratio` times a decode-only step of
-the same rows. That is Sarathi-Serve's time-between-tokens bound, set relative to the step the
+the batch. That is Sarathi-Serve's time-between-tokens bound, set relative to the step the
 streams would run anyway, and measured on the machine rather than configured.
 
-Model: a decode-only step of r rows takes a + b·r seconds (least squares over recent
-decode-only steps, older ones forgotten geometrically); a prompt budget unit adds c seconds (the
-mean of recent mixed steps' excess over that line, per unit). Until both are known there is no
-cap (the token budget alone applies).
+Model: a step of r decode rows and u prompt units takes a + b·r + c·u seconds, one least-squares
+fit over recent steps (older ones forgotten geometrically). One fit over all steps, not a decode
+line from decode-only steps and a unit cost from the excess of mixed ones: under steady load
+nearly every step is mixed, so a decode line learnt from the few decode-only steps goes stale,
+and the error it leaves is charged to the prompt units (that made caps shrink to the floor and
+cost a fifth of the throughput). Until the fit is determined there is no cap (the token budget
+alone applies).
 """
 
 from __future__ import annotations
 
-# Weight of the newest observation in the running estimates.
-FORGET = 0.05
-# Mixed steps with fewer prompt units than this say little about a unit's cost (noise).
-MIN_OBSERVED_UNITS = 16
+import numpy as np
+
+# Weight of the newest observation in the running sums.
+FORGET = 0.02
 # A cap never goes below this, so that prompts progress under any load.
 MIN_CAP_UNITS = 16
+# The fit is trusted once the observed rows and units vary this much (standard deviations).
+MIN_SPREAD = 1.0
 
 
 class StepCost:
-    """Running estimates of decode-only step time by rows, and of seconds per prompt unit."""
+    """A running least-squares fit of step seconds on (1, decode rows, prompt units)."""
 
     def __init__(self) -> None:
-        # Exponentially weighted sums for the decode line t = a + b·r.
-        self._w = self._r = self._rr = self._t = self._rt = 0.0
-        self.unit_seconds: float | None = None
+        self._xx = np.zeros((3, 3))
+        self._xy = np.zeros(3)
+        self._coef: np.ndarray | None = None  # (a, b, c) once the fit is determined
+        self._dirty = False
 
     def observe(self, decode_rows: int, prefill_units: int, seconds: float) -> None:
         """Learn from a step that ran `decode_rows` decode tokens and `prefill_units` of prompt
         work in `seconds` (a step with neither teaches nothing)."""
-        if decode_rows and not prefill_units:
-            keep = 1.0 - FORGET
-            self._w = self._w * keep + 1.0
-            self._r = self._r * keep + decode_rows
-            self._rr = self._rr * keep + decode_rows * decode_rows
-            self._t = self._t * keep + seconds
-            self._rt = self._rt * keep + decode_rows * seconds
-        elif decode_rows and prefill_units >= MIN_OBSERVED_UNITS and self._w:
-            excess = max(0.0, seconds - self.decode_seconds(decode_rows)) / prefill_units
-            self.unit_seconds = excess if self.unit_seconds is None else \
-                (1.0 - FORGET) * self.unit_seconds + FORGET * excess
+        if not decode_rows and not prefill_units:
+            return
+        x = np.array([1.0, decode_rows, prefill_units])
+        self._xx = self._xx * (1.0 - FORGET) + np.outer(x, x)
+        self._xy = self._xy * (1.0 - FORGET) + x * seconds
+        self._dirty = True
+
+    @property
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """(seconds per step, per decode row, per prompt unit), or None until determined."""
+        if self._dirty:
+            self._dirty = False
+            self._coef = self._fit()
+        return None if self._coef is None else tuple(float(v) for v in self._coef)
+
+    def _fit(self) -> np.ndarray | None:
+        w = self._xx[0, 0]
+        if w <= 0:
+            return None
+        mean = self._xx[0, 1:] / w
+        var = np.diag(self._xx)[1:] / w - mean * mean
+        if var[1] < MIN_SPREAD ** 2:
+            return None  # prompt work barely varies: its cost cannot be told apart
+        if var[0] < MIN_SPREAD ** 2:
+            # One batch size seen (streams decoding steadily): fit time on units alone, and
+            # take the decode step as the same at any row count (the rows never varied).
+            keep = [0, 2]
+            a, c = np.linalg.lstsq(self._xx[np.ix_(keep, keep)], self._xy[keep], rcond=None)[0]
+            coef = np.array([a, 0.0, c])
+        else:
+            coef, *_ = np.linalg.lstsq(self._xx, self._xy, rcond=None)
+        if coef[2] <= 0:
+            return None  # prompt work looks free: noise, no basis for a cap
+        coef[1] = max(coef[1], 0.0)
+        return coef
 
     def decode_seconds(self, rows: int) -> float:
-        """Estimated wall time of a decode-only step of `rows` rows (0.0 before any)."""
-        if not self._w:
-            return 0.0
-        mean_r, mean_t = self._r / self._w, self._t / self._w
-        var = self._rr / self._w - mean_r * mean_r
-        if var < 0.25:  # one row count seen so far: no slope to fit
-            return mean_t
-        slope = max(0.0, (self._rt / self._w - mean_r * mean_t) / var)
-        return max(0.0, mean_t + slope * (rows - mean_r))
+        """Estimated wall time of a decode-only step of `rows` rows (0.0 before any fit)."""
+        coef = self.coefficients
+        return 0.0 if coef is None else max(0.0, coef[0] + coef[1] * rows)
 
     def prefill_cap(self, decode_rows: int, stall_ratio: float) -> int | None:
         """The most prompt units a step of `decode_rows` decode rows may add and stay within
-        `stall_ratio` times a decode-only step; None while the costs are unknown."""
-        if not decode_rows or not self.unit_seconds or not self._w:
+        `stall_ratio` times a decode-only step of those rows; None while the costs are unknown."""
+        coef = self.coefficients
+        if not decode_rows or coef is None:
             return None
         allowed = (stall_ratio - 1.0) * self.decode_seconds(decode_rows)
-        return max(MIN_CAP_UNITS, int(allowed / self.unit_seconds))
+        return max(MIN_CAP_UNITS, int(allowed / coef[2]))
