@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import hashlib
 import logging
 import os
@@ -38,6 +39,7 @@ from app.settings import Settings
 from app.version import __version__
 from engine import Engine, EngineConfig, SamplingParams
 from engine.grammar import Grammar
+from engine.host_memory import freeze_startup_objects
 
 log = logging.getLogger("seqgate.app")
 
@@ -211,6 +213,7 @@ async def _start(state: GatewayState) -> None:
     engine.start()
     if state.settings.server.warmup:
         await _warm_up(engine)
+    freeze_startup_objects()
     state.ready = True
     log.info("serving %s (max_model_len %d)", state.model_name, engine.max_model_len)
 
@@ -244,6 +247,7 @@ async def engine_lifespan(app: Litestar) -> AsyncIterator[None]:
         yield
     finally:
         state.ready = False
+        gc.unfreeze()  # the server's objects may be collected again once it is gone
         state.close()
         if loading is not None and not loading.done():
             loading.cancel()

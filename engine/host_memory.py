@@ -5,12 +5,17 @@ size of every mapped block freed (up to 32 MiB), so after a while blocks of a fe
 the heap too. KV blocks live for seconds to minutes among short-lived tensors of every size;
 freed, they leave holes that the heap keeps and rarely fills, and resident memory creeps up
 under load (docs/reliability.md). A block in its own anonymous mapping goes back to the kernel
-whole when its tensor is freed. Mapping costs a page fault per 4 KiB on first write: about a
-millisecond per 10 MiB, against the prefill that fills the block.
+whole when its tensor is freed. Mapping costs a page fault per 4 KiB on first write (on the
+2-core test machine about 0.45 ms per MiB, against 0.06 ms per MiB to copy into pages already
+touched; keeping freed mappings for reuse saved about 1% of a concurrency-32 run, so they are not
+kept, docs/benchmarks/speed.md).
+
+The process's garbage-collector setting lives here too (`freeze_startup_objects`).
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import mmap
 
@@ -27,3 +32,17 @@ def mapped_empty(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     if like.device.type != "cpu" or nbytes < MAPPED_MIN_BYTES:
         return like.new_empty(shape)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=like.dtype).view(shape)
+
+
+def freeze_startup_objects() -> None:
+    """Move every object alive now out of the garbage collector's sight (`gc.freeze`).
+
+    A served model leaves some 460,000 tracked objects behind (modules, parameters, tokenizer
+    tables), and each full collection walks them all: about 0.2 s holding the GIL, during which
+    the engine's step waits. Under load a full collection runs every few tens of seconds, and
+    it was the longest stall a running stream saw in the stall scenario (a 345 ms step around a
+    217 ms collection, docs/benchmarks/scheduler.md). These objects live as long as the server,
+    so there is nothing to collect among them; what is created later is collected as before.
+    """
+    gc.collect()
+    gc.freeze()

@@ -28,6 +28,7 @@ from ray import serve
 
 from engine import Engine, EngineConfig, EngineStopped, QueueFull, SamplingParams
 from engine.grammar import Grammar
+from engine.host_memory import freeze_startup_objects
 
 log = logging.getLogger("seqgate.replicas")
 
@@ -62,6 +63,7 @@ class EngineReplica:
         # The grammar compiler's view of the tokenizer is built now (0.3 s holding the GIL for
         # SmolLM2), before Ray marks the replica ready, not on its first constrained request.
         self.engine.grammars.compile(Grammar.json_object())
+        freeze_startup_objects()  # full collections would otherwise walk the model's objects
         self.drain_timeout = drain_timeout
         self.replica = serve.get_replica_context().replica_id.unique_id
         self._load: dict[str, int] = {}  # open job id -> tokens it may still compute

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -82,3 +83,20 @@ def test_a_failed_load_is_reported_and_settles():
         assert r.status_code == 503 and "failed to load" in r.json()["error"]["message"]
     finally:
         srv.stop()
+
+
+def test_a_serving_server_keeps_its_objects_out_of_full_collections(gateway_engine):
+    """Once ready, the server freezes what start-up left alive (`gc.freeze`): a full collection
+    no longer walks the model's objects (0.2 s holding the GIL, a stall for every stream).
+    Stopping it unfreezes them, so a process that outlives it can collect them again."""
+    srv = start_server(create_app(settings(), engine=gateway_engine))
+    try:
+        tracked = {id(o) for o in gc.get_objects()}  # frozen objects are not listed
+        model = gateway_engine.loaded.model
+        assert id(model) not in tracked and id(gateway_engine) not in tracked
+        assert gc.get_freeze_count() > 10_000
+    finally:
+        srv.stop()
+    assert gc.get_freeze_count() == 0
+    assert any(o is gateway_engine for o in gc.get_objects())
+
