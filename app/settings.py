@@ -227,7 +227,7 @@ OPTIONS: tuple[Option, ...] = (
            "(0: 256, or twice max_rolling_batch_size when larger)"),
     Option("stall_ratio", "engine", _stall_ratio, ("option.stall_ratio",), "--stall-ratio",
            "while rows decode, a step's prompt chunks keep it within this many times a "
-           "decode-only step (costs learnt as it runs; 0, the default: the token budget alone)"),
+           "decode-only step (costs learnt as it runs; default 2.5; 0: the token budget alone)"),
     Option("chunk_attention_tokens", "engine", _int(0), ("option.chunk_attention_tokens",),
            "--chunk-attention-tokens",
            "context tokens whose attention a prompt chunk is charged one token for "

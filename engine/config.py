@@ -68,10 +68,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 0
     # While rows decode, a step takes on at most the prompt work that keeps it within this many
     # times a decode-only step of the same rows (costs learnt from the steps that ran,
-    # engine/step_cost.py); 0 (the default): the token budget alone. A latency setting: on the
-    # ShareGPT sweep 2.5 keeps the throughput and lowers TPOT p95, but prompts wait longer for
-    # their first token (docs/benchmarks/scheduler.md).
-    stall_ratio: float = 0.0
+    # engine/step_cost.py); 0: the token budget alone. At 2.5 a running stream's largest gap in
+    # the stall scenario fell from 7-8x its median to 2.1-3.8x, and the ShareGPT sweep kept its
+    # throughput; the price is long prompts' time to first token (docs/benchmarks/scheduler.md).
+    stall_ratio: float = 2.5
     # Admission order: fifo; priority (the request's `priority`, lower first); shortest (prompt
     # first). Under the last two a job waiting `scheduling_age_limit` seconds goes first.
     scheduling_policy: str = "fifo"

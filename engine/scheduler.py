@@ -4,7 +4,7 @@ Every step runs the decode token of every running row, never skipped, plus prefi
 waiting prompts in the rest of a token budget (`max_num_batched_tokens`): Sarathi-Serve's
 stall-free batching. A long prompt is prefilled over several steps, a chunk per step, while the
 running streams keep producing a token each step; it joins the decode set the step after its last
-chunk. While rows decode, a step's prompt work is also capped, when `stall_ratio` is set, by
+chunk. While rows decode, a step's prompt work is also capped, unless `stall_ratio` is 0, by
 what keeps it within that many times a decode-only step, from step costs learnt as the engine
 runs (`engine.step_cost`): a decode row costs several prompt tokens on a CPU, so a token budget
 alone either stalls a large batch or starves prompts beside a small one. Jobs are admitted in

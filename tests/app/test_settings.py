@@ -153,7 +153,7 @@ def test_quantize_from_each_source(props):
 
 
 def test_stall_ratio_from_each_source(props):
-    assert load_settings(env={}).engine.stall_ratio == 0  # off by default
+    assert load_settings(env={}).engine.stall_ratio == 2.5  # the default
     assert load_settings(config_file=props("option.stall_ratio=2.5\n"), env={}).engine \
         .stall_ratio == 2.5
     assert load_settings(env={"SEQGATE_STALL_RATIO": "3"}).engine.stall_ratio == 3

@@ -129,8 +129,9 @@ def test_stall_ratio_is_validated():
 
 
 def test_the_engine_learns_costs_only_when_asked(tiny_model, make_engine):
-    off = make_engine(tiny_model, background=False)
+    off = make_engine(tiny_model, background=False, stall_ratio=0)
     assert off.scheduler.cost is None
+    assert make_engine(tiny_model, background=False).scheduler.cost is not None  # the default
     on = make_engine(tiny_model, background=False, stall_ratio=2.5, max_num_batched_tokens=64)
     rows = [on.submit(list(range(10 + i, 20 + i)), SamplingParams(max_new_tokens=40))
             for i in range(4)]
