@@ -6,7 +6,7 @@ several prompt tokens (16 rows decode in ~90 ms, where 240 prompt tokens add ~34
 right number of prompt tokens per step grows with the rows decoding. So the scheduler asks
 `StepCost.prefill_cap`: the most prompt budget units (a token each, plus its attention,
 `Scheduler.chunk_cost`) that keep a mixed step within `stall_ratio` times a decode-only step of
-the batch. That is Sarathi-Serve's time-between-tokens bound, set relative to the step the
+the same rows. That is Sarathi-Serve's time-between-tokens bound, set relative to the step the
 streams would run anyway, and measured on the machine rather than configured.
 
 Model: a step of r decode rows and u prompt units takes a + b·r + c·u seconds, one least-squares
@@ -14,8 +14,8 @@ fit over recent steps (older ones forgotten geometrically). One fit over all ste
 line from decode-only steps and a unit cost from the excess of mixed ones: under steady load
 nearly every step is mixed, so a decode line learnt from the few decode-only steps goes stale,
 and the error it leaves is charged to the prompt units (that made caps shrink to the floor and
-cost a fifth of the throughput). Until the fit is determined there is no cap (the token budget
-alone applies).
+cost 26-33% of the ShareGPT sweep's throughput). Until the fit is determined there is no cap
+(the token budget alone applies).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import numpy as np
 FORGET = 0.02
 # A cap never goes below this, so that prompts progress under any load.
 MIN_CAP_UNITS = 16
-# The fit is trusted once the observed rows and units vary this much (standard deviations).
+# Spread (standard deviation) the observed prompt units need before any fit, and the rows before
+# their own cost is fitted (less: the decode step is taken as the same at any row count).
 MIN_SPREAD = 1.0
 
 
