@@ -154,8 +154,8 @@ def test_quantize_from_each_source(props):
 
 def test_stall_ratio_from_each_source(props):
     assert load_settings(env={}).engine.stall_ratio == 2.5  # the default
-    assert load_settings(config_file=props("option.stall_ratio=2.5\n"), env={}).engine \
-        .stall_ratio == 2.5
+    assert load_settings(config_file=props("option.stall_ratio=4\n"), env={}).engine \
+        .stall_ratio == 4  # not the default, so the file is shown to be read
     assert load_settings(env={"SEQGATE_STALL_RATIO": "3"}).engine.stall_ratio == 3
     with pytest.raises(SettingsError, match=r"^option.stall_ratio .*> 1, or 0"):
         load_settings(config_file=props("option.stall_ratio=0.5\n"), env={})
