@@ -6,9 +6,11 @@ the heap too. KV blocks live for seconds to minutes among short-lived tensors of
 freed, they leave holes that the heap keeps and rarely fills, and resident memory creeps up
 under load (docs/reliability.md). A block in its own anonymous mapping goes back to the kernel
 whole when its tensor is freed. Mapping costs a page fault per 4 KiB on first write (on the
-2-core test machine about 0.45 ms per MiB, against 0.06 ms per MiB to copy into pages already
-touched; keeping freed mappings for reuse saved about 1% of a concurrency-32 run, so they are not
-kept, docs/benchmarks/speed.md).
+2-core test machine about 0.45 ms per MiB in a shared mapping, 0.23 ms in a private one, against
+0.06 ms per MiB to copy into pages already touched; keeping freed mappings for reuse saved about
+1% of a concurrency-32 run, so they are not kept, docs/benchmarks/speed.md). The kernel supplies
+a page when it is first written, so the part of a block never written costs address space only
+(`engine.batch` reserves room for decode steps this way).
 
 The process's garbage-collector setting lives here too (`freeze_startup_objects`).
 """
@@ -18,10 +20,20 @@ from __future__ import annotations
 import gc
 import math
 import mmap
+import platform
+import sys
 
 import torch
 
 MAPPED_MIN_BYTES = 1 << 20  # smaller blocks stay in the heap: a mapping per block would cost more
+# Private anonymous memory, as malloc maps it (Python's default, MAP_SHARED, is shared memory:
+# writing 160 MiB into a fresh mapping took 52-76 ms against 36-40 ms private). No swap space
+# is set aside for it (MAP_NORESERVE; Python names it from 3.13, its value is 0x4000 on these
+# Linux machines), so room reserved and never written is not counted against the commit limit.
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" and
+                     platform.machine() in ("x86_64", "aarch64", "riscv64") else 0)
+_FLAGS = (mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE
+          if hasattr(mmap, "MAP_PRIVATE") else None)
 
 
 def mapped_empty(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
@@ -31,7 +43,8 @@ def mapped_empty(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     nbytes = math.prod(shape) * like.element_size()
     if like.device.type != "cpu" or nbytes < MAPPED_MIN_BYTES:
         return like.new_empty(shape)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=like.dtype).view(shape)
+    block = mmap.mmap(-1, nbytes) if _FLAGS is None else mmap.mmap(-1, nbytes, flags=_FLAGS)
+    return torch.frombuffer(block, dtype=like.dtype).view(shape)
 
 
 def freeze_startup_objects() -> None:
