@@ -29,6 +29,21 @@ if TYPE_CHECKING:
 # Columns allocated beyond the current width, so decode steps write in place instead of
 # reallocating (DynamicCache's torch.cat copies the whole cache every step).
 GROWTH_COLUMNS = 64
+# On the CPU a slab also reserves columns for all its rows may still generate (at most this
+# many): its block is a mapping whose pages the kernel supplies when first written
+# (engine.host_memory), so columns never written cost address space, not memory, and decode
+# steps do not move the slab. Moving a 16-row slab of ~400 columns to a larger block took
+# 86-143 ms (the new block's page faults and the copy): the longest steps running streams saw in
+# the stall scenario, every 64 steps per sub-batch.
+MAX_RESERVED_COLUMNS = 4096
+
+
+def headroom(seqs: list[Sequence], device: torch.device) -> int:
+    """Columns a slab of `seqs` allocates beyond the longest row (see MAX_RESERVED_COLUMNS)."""
+    if device.type != "cpu":
+        return GROWTH_COLUMNS
+    left = max((s.params.max_new_tokens - len(s.generated) for s in seqs), default=0)
+    return GROWTH_COLUMNS + min(max(left, 0), MAX_RESERVED_COLUMNS)
 
 
 def new_slabs(like: torch.Tensor, shapes: list[tuple[tuple[int, ...], tuple[int, ...]]]
@@ -136,7 +151,10 @@ class SubBatch:
         return RowKV(keys, values, length)
 
     def kv_bytes(self) -> int:
-        return sum(layer.kbuf.nbytes + layer.vbuf.nbytes for layer in self.cache.layers)
+        """Bytes of the slab's columns up to the window's end (the columns reserved past it are
+        not counted: on the CPU they take no memory until written)."""
+        return sum(buf[:, :, : layer.end].nbytes for layer in self.cache.layers
+                   for buf in (layer.kbuf, layer.vbuf))
 
     def _lengths(self) -> torch.Tensor:
         return torch.tensor(self.lengths(), device=self.cache.layers[0].device)
@@ -174,12 +192,12 @@ class SubBatch:
 
     def reserve(self, columns: int) -> None:
         """Make room for a window of `columns` columns in every layer, moving the slabs to a
-        larger block (the window at its left edge, `GROWTH_COLUMNS` to spare) when they are full.
+        larger block (the window at its left edge, `headroom` to spare) when they are full.
         Called before each decode forward."""
         layers = self.cache.layers
         if layers[0].start + columns <= layers[0].capacity:
             return
-        capacity = columns + GROWTH_COLUMNS
+        capacity = columns + headroom(self.seqs, layers[0].kbuf.device)
         shapes = [((*layer.kbuf.shape[:2], capacity, layer.kbuf.shape[-1]),
                    (*layer.vbuf.shape[:2], capacity, layer.vbuf.shape[-1])) for layer in layers]
         for layer, (k, v) in zip(layers, new_slabs(layers[0].kbuf, shapes)):
@@ -237,7 +255,7 @@ class SubBatch:
 
 
 def build_sub_batch(seqs: list[Sequence], sources: list[tuple[SubBatch, int] | RowKV]) -> SubBatch:
-    """Write rows into a fresh left-padded slab, `GROWTH_COLUMNS` wide beyond the longest row,
+    """Write rows into a fresh left-padded slab, `headroom` wide beyond the longest row,
     with a quarter more rows (rounded down) for rows that join later.
 
     A source is a row of an existing sub-batch, `(sub_batch, index)`, or a newly prefilled RowKV.
@@ -256,6 +274,8 @@ def build_sub_batch(seqs: list[Sequence], sources: list[tuple[SubBatch, int] | R
             rows.append(src[1])
     proto = fresh[0][1] if fresh else None
     rows = len(seqs) + len(seqs) // 4
+    like = proto.keys[0] if proto is not None else next(iter(moved)).cache.layers[0].kbuf
+    capacity = width + headroom(seqs, like.device)
     shapes = []
     for li in range(_layer_count(sources)):
         if proto is not None:
@@ -265,9 +285,7 @@ def build_sub_batch(seqs: list[Sequence], sources: list[tuple[SubBatch, int] | R
             old = next(iter(moved)).cache.layers[li]
             ref_k = old.kbuf
             heads, kdim, vdim = ref_k.shape[1], ref_k.shape[-1], old.vbuf.shape[-1]
-        shapes.append(((rows, heads, width + GROWTH_COLUMNS, kdim),
-                       (rows, heads, width + GROWTH_COLUMNS, vdim)))
-    like = proto.keys[0] if proto is not None else next(iter(moved)).cache.layers[0].kbuf
+        shapes.append(((rows, heads, capacity, kdim), (rows, heads, capacity, vdim)))
     layers = []
     for li, (kbuf, vbuf) in enumerate(new_slabs(like, shapes)):
         # Padding must hold finite values (masked scores still multiply V): each row's columns

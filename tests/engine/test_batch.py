@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from engine.batch import GROWTH_COLUMNS, RollingBatch, RowKV, build_sub_batch, new_slabs
+from engine.batch import (
+    GROWTH_COLUMNS,
+    MAX_RESERVED_COLUMNS,
+    RollingBatch,
+    RowKV,
+    build_sub_batch,
+    headroom,
+    new_slabs,
+)
 from engine.contrastive import Candidates
 from engine.feed import DecodeFeed
 from engine.fused import Group
@@ -35,11 +43,13 @@ def test_one_block_holds_every_layer_and_rows_survive_growth():
     storages = {layer.kbuf.untyped_storage().data_ptr() for layer in sb.cache.layers}
     storages |= {layer.vbuf.untyped_storage().data_ptr() for layer in sb.cache.layers}
     assert len(storages) == 1  # one allocation for the sub-batch
-    assert sb.cache.layers[0].capacity == 9 + GROWTH_COLUMNS
-    sb.reserve(9 + GROWTH_COLUMNS)  # fits: nothing moves
+    # Room for the 4 tokens each row may still generate, and GROWTH_COLUMNS more.
+    room = 4 + GROWTH_COLUMNS
+    assert sb.cache.layers[0].capacity == 9 + room
+    sb.reserve(9 + room)  # fits: nothing moves
     assert sb.cache.layers[0].kbuf.untyped_storage().data_ptr() in storages
-    sb.reserve(9 + GROWTH_COLUMNS + 1)  # full: every layer moves to one larger block
-    assert sb.cache.layers[0].capacity == 9 + 2 * GROWTH_COLUMNS + 1
+    sb.reserve(9 + room + 1)  # full: every layer moves to one larger block
+    assert sb.cache.layers[0].capacity == 9 + 2 * room + 1
     assert len({layer.kbuf.untyped_storage().data_ptr() for layer in sb.cache.layers}) == 1
     for i, r in enumerate(rows):
         got = sb.row(i)
@@ -133,3 +143,32 @@ def test_candidates_feed_as_a_tree_and_the_chosen_one_is_kept():
         assert torch.equal(layer.keys[0, :, -1], new[0, :, 0])
         assert torch.equal(layer.keys[1, :, -1], new[1, :, 2])
         assert torch.equal(layer.values[1, :, -1], 2 * new[1, :, 2])
+
+
+def test_a_slab_reserves_what_its_rows_may_generate_without_taking_the_memory():
+    """On the CPU the columns for every token a row may still generate are reserved up front
+    (bounded by MAX_RESERVED_COLUMNS), so decode steps never move the slab; pages never
+    written are not resident, and kv_bytes counts the columns in use. Elsewhere the
+    reservation stays GROWTH_COLUMNS (device memory is taken at allocation)."""
+    big = [row(300, 0), row(200, 1)]
+    job = Job("j", [1], SamplingParams(max_new_tokens=3000), "greedy")
+    rows = [Sequence(job, i) for i in range(2)]
+    rows[0].kv_len, rows[1].kv_len = 300, 200
+    rows[1].generated = [7] * 1000  # 2,000 left for it, 3,000 for the first
+    with open("/proc/self/statm") as f:
+        before = int(f.read().split()[1])
+    sb = build_sub_batch(rows, big)
+    with open("/proc/self/statm") as f:
+        grown_pages = int(f.read().split()[1]) - before
+    layer = sb.cache.layers[0]
+    assert layer.capacity == 300 + GROWTH_COLUMNS + 3000
+    assert sb.kv_bytes() == LAYERS * 2 * 2 * HEADS * 300 * DIM * 4  # 2 slab rows, to the end
+    reserved = sum(b.nbytes for la in sb.cache.layers for b in (la.kbuf, la.vbuf))
+    assert grown_pages * 4096 < reserved / 2
+    storage = layer.kbuf.untyped_storage().data_ptr()
+    sb.reserve(300 + 3000)  # the window after 3,000 decode steps: still in place
+    assert sb.cache.layers[0].kbuf.untyped_storage().data_ptr() == storage
+    many = Job("k", [1], SamplingParams(max_new_tokens=100_000), "greedy")
+    assert headroom([Sequence(many, 0)], torch.device("cpu")) == \
+        GROWTH_COLUMNS + MAX_RESERVED_COLUMNS
+    assert headroom(rows, torch.device("cuda")) == GROWTH_COLUMNS
