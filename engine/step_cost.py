@@ -42,8 +42,14 @@ class StepCost:
 
     def observe(self, decode_rows: int, prefill_units: int, seconds: float) -> None:
         """Learn from a step that ran `decode_rows` decode tokens and `prefill_units` of prompt
-        work in `seconds` (a step with neither teaches nothing)."""
-        if not decode_rows and not prefill_units:
+        work in `seconds`.
+
+        Only steps with decode rows teach: the cap governs those. A prefill alone runs in
+        larger steps (up to `scheduler.ALONE_TOKENS`) whose cost per unit is not that of a chunk
+        beside decode rows, and varies more: one start-up prefill of 1,101 units took 0.89 s in
+        one run and 1.31 s in another, and in the second it pulled the fit so far that the cap
+        let 240-unit chunks make every step 5x a decode step."""
+        if not decode_rows:
             return
         x = np.array([1.0, decode_rows, prefill_units])
         self._xx = self._xx * (1.0 - FORGET) + np.outer(x, x)
@@ -66,17 +72,19 @@ class StepCost:
         var = np.diag(self._xx)[1:] / w - mean * mean
         if var[1] < MIN_SPREAD ** 2:
             return None  # prompt work barely varies: its cost cannot be told apart
-        if var[0] < MIN_SPREAD ** 2:
-            # One batch size seen (streams decoding steadily): fit time on units alone, and
-            # take the decode step as the same at any row count (the rows never varied).
+        coef = None
+        if var[0] >= MIN_SPREAD ** 2:
+            coef, *_ = np.linalg.lstsq(self._xx, self._xy, rcond=None)
+        if coef is None or coef[1] < 0:
+            # One batch size seen (streams decoding steadily), or rows that look as if they
+            # saved time: fit time on units alone, the decode step the same at any row count.
+            # (Clipping a negative row cost to 0 after the fit would keep the intercept that
+            # compensated it, and overstate the decode step several times.)
             keep = [0, 2]
             a, c = np.linalg.lstsq(self._xx[np.ix_(keep, keep)], self._xy[keep], rcond=None)[0]
             coef = np.array([a, 0.0, c])
-        else:
-            coef, *_ = np.linalg.lstsq(self._xx, self._xy, rcond=None)
         if coef[2] <= 0:
             return None  # prompt work looks free: noise, no basis for a cap
-        coef[1] = max(coef[1], 0.0)
         return coef
 
     def decode_seconds(self, rows: int) -> float:

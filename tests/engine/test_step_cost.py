@@ -61,6 +61,36 @@ def test_costs_are_learnt_under_steady_load_from_mixed_steps():
     assert cost.prefill_cap(32, 2.5) > 5 * MIN_CAP_UNITS
 
 
+def test_a_prefill_alone_does_not_teach_the_cap():
+    """Steps with no decode row are prefills alone, in large steps at a cost per unit of their
+    own. In one stall run a 1,101-unit start-up prefill at 1.19 ms per unit, then 38 decode-only
+    steps of 16 rows and a few 240-unit chunks beside them, fitted a 394 ms intercept and a
+    negative row cost; clipped, that made a 16-row decode step 394 ms instead of 45 and the cap
+    700 units, so every step ran the token budget's 240 and took 5x a decode step."""
+    cost = StepCost()
+    cost.observe(0, 1101, 1.308)
+    for _ in range(38):
+        cost.observe(16, 0, 0.045)
+    for units, seconds in ((58, 0.105), (240, 0.245), (240, 0.267)):
+        cost.observe(16, units, seconds)
+    assert cost.decode_seconds(16) == pytest.approx(0.045, abs=0.005)
+    cap = cost.prefill_cap(16, 2.5)
+    assert 60 <= cap <= 100  # 1.5 x 45 ms at ~0.85 ms per unit: ~80
+
+
+def test_rows_that_seem_to_save_time_are_fitted_as_costing_nothing():
+    """Noise can make more rows look cheaper (here 8-row steps slower than 16-row ones). The
+    fit then takes time on prompt units alone, keeping the decode step near what was seen."""
+    cost = StepCost()
+    for i in range(60):
+        rows, units = (8, 16)[i % 2], (0, 40, 120)[i % 3]
+        cost.observe(rows, units, (0.060 if rows == 8 else 0.050) + 0.001 * units)
+    coef = cost.coefficients
+    assert coef[1] == 0.0
+    assert cost.decode_seconds(16) == pytest.approx(0.055, abs=0.002)
+    assert coef[2] == pytest.approx(0.001, rel=0.05)
+
+
 def test_cap_keeps_a_mixed_step_within_the_ratio_and_grows_with_the_rows():
     cost = taught()
     caps = {rows: cost.prefill_cap(rows, 2.5) for rows in (1, 16, 32)}
