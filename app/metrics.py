@@ -42,7 +42,8 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("seqgate_prompt_cache_entries", "Nodes of the prefix cache's "
                                 "radix tree holding KV", value=s.prefix_cache_entries)
         yield GaugeMetricFamily("seqgate_kv_cache_bytes", "Bytes held by the rolling batch's KV "
-                                "(padding and preallocated columns included)", value=s.kv_bytes)
+                                "(padding included; on the CPU, columns reserved for tokens to "
+                                "come count once written)", value=s.kv_bytes)
         yield GaugeMetricFamily("seqgate_kv_cache_peak_bytes", "Most bytes the rolling batch's KV "
                                 "held after any step since start", value=s.peak_kv_bytes)
         counters = (

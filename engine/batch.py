@@ -15,13 +15,14 @@ Only the rest is rebuilt into a fresh slab.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from engine.host_memory import mapped_empty
+from engine.host_memory import LAZY_PAGES, mapped_empty
 
 if TYPE_CHECKING:
     from engine.job import Sequence
@@ -34,16 +35,33 @@ GROWTH_COLUMNS = 64
 # (engine.host_memory), so columns never written cost address space, not memory, and decode
 # steps do not move the slab. Moving a 16-row slab of ~400 columns to a larger block took
 # 86-143 ms (the new block's page faults and the copy): the longest steps running streams saw in
-# the stall scenario, every 64 steps per sub-batch.
+# the stall scenario, every 64 steps per sub-batch. (Layers of different shapes get a tensor
+# each from the allocator, not one mapping; glibc maps blocks that large itself, also lazily.)
 MAX_RESERVED_COLUMNS = 4096
 
 
 def headroom(seqs: list[Sequence], device: torch.device) -> int:
-    """Columns a slab of `seqs` allocates beyond the longest row (see MAX_RESERVED_COLUMNS)."""
-    if device.type != "cpu":
+    """Columns a slab of `seqs` allocates beyond the longest row (see MAX_RESERVED_COLUMNS; a
+    row's tokens left are bounded by the context length, checked at submission)."""
+    if device.type != "cpu" or not LAZY_PAGES:
         return GROWTH_COLUMNS
     left = max((s.params.max_new_tokens - len(s.generated) for s in seqs), default=0)
     return GROWTH_COLUMNS + min(max(left, 0), MAX_RESERVED_COLUMNS)
+
+
+def reserved_slabs(like: torch.Tensor, seqs: list[Sequence], width: int,
+                   shapes: Callable[[int], list[tuple[tuple[int, ...], tuple[int, ...]]]]
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`new_slabs` of `shapes(capacity)` for `width` columns and the `headroom` of `seqs`, or
+    only GROWTH_COLUMNS beyond when the reservation cannot be mapped (strict overcommit
+    accounting, a virtual memory limit)."""
+    room = headroom(seqs, like.device)
+    try:
+        return new_slabs(like, shapes(width + room))
+    except OSError:
+        if room == GROWTH_COLUMNS:
+            raise
+        return new_slabs(like, shapes(width + GROWTH_COLUMNS))
 
 
 def new_slabs(like: torch.Tensor, shapes: list[tuple[tuple[int, ...], tuple[int, ...]]]
@@ -151,9 +169,13 @@ class SubBatch:
         return RowKV(keys, values, length)
 
     def kv_bytes(self) -> int:
-        """Bytes of the slab's columns up to the window's end (the columns reserved past it are
-        not counted: on the CPU they take no memory until written)."""
-        return sum(buf[:, :, : layer.end].nbytes for layer in self.cache.layers
+        """Bytes the slab holds. On the CPU, those of its rows in use up to the window's end:
+        columns reserved past it and spare rows take no memory until written (`headroom`).
+        Elsewhere the whole allocation."""
+        layers = self.cache.layers
+        if layers[0].kbuf.device.type != "cpu" or not LAZY_PAGES:
+            return sum(layer.kbuf.nbytes + layer.vbuf.nbytes for layer in layers)
+        return sum(buf[: layer.rows, :, : layer.end].nbytes for layer in layers
                    for buf in (layer.kbuf, layer.vbuf))
 
     def _lengths(self) -> torch.Tensor:
@@ -193,14 +215,22 @@ class SubBatch:
     def reserve(self, columns: int) -> None:
         """Make room for a window of `columns` columns in every layer, moving the slabs to a
         larger block (the window at its left edge, `headroom` to spare) when they are full.
-        Called before each decode forward."""
+        Called before each decode forward.
+
+        The columns left of the window are dead (rows longer than any left have gone) and
+        stay resident, so the window also moves once they outnumber its columns: a slab that
+        reserves for every token to come would otherwise keep them for its whole life."""
         layers = self.cache.layers
-        if layers[0].start + columns <= layers[0].capacity:
+        first = layers[0]
+        if first.start + columns <= first.capacity and \
+                first.start <= max(columns, GROWTH_COLUMNS):
             return
-        capacity = columns + headroom(self.seqs, layers[0].kbuf.device)
-        shapes = [((*layer.kbuf.shape[:2], capacity, layer.kbuf.shape[-1]),
-                   (*layer.vbuf.shape[:2], capacity, layer.vbuf.shape[-1])) for layer in layers]
-        for layer, (k, v) in zip(layers, new_slabs(layers[0].kbuf, shapes)):
+
+        def shapes(capacity: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+            return [((*la.kbuf.shape[:2], capacity, la.kbuf.shape[-1]),
+                     (*la.vbuf.shape[:2], capacity, la.vbuf.shape[-1])) for la in layers]
+
+        for layer, (k, v) in zip(layers, reserved_slabs(first.kbuf, self.seqs, columns, shapes)):
             n, used = layer.rows, layer.end - layer.start
             k[:n, :, :used] = layer.kbuf[:n, :, layer.start : layer.end]
             v[:n, :, :used] = layer.vbuf[:n, :, layer.start : layer.end]
@@ -275,8 +305,7 @@ def build_sub_batch(seqs: list[Sequence], sources: list[tuple[SubBatch, int] | R
     proto = fresh[0][1] if fresh else None
     rows = len(seqs) + len(seqs) // 4
     like = proto.keys[0] if proto is not None else next(iter(moved)).cache.layers[0].kbuf
-    capacity = width + headroom(seqs, like.device)
-    shapes = []
+    dims = []
     for li in range(_layer_count(sources)):
         if proto is not None:
             ref_k, ref_v = proto.keys[li], proto.values[li]
@@ -285,9 +314,13 @@ def build_sub_batch(seqs: list[Sequence], sources: list[tuple[SubBatch, int] | R
             old = next(iter(moved)).cache.layers[li]
             ref_k = old.kbuf
             heads, kdim, vdim = ref_k.shape[1], ref_k.shape[-1], old.vbuf.shape[-1]
-        shapes.append(((rows, heads, capacity, kdim), (rows, heads, capacity, vdim)))
+        dims.append((heads, kdim, vdim))
+
+    def shapes(capacity: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        return [((rows, h, capacity, kd), (rows, h, capacity, vd)) for h, kd, vd in dims]
+
     layers = []
-    for li, (kbuf, vbuf) in enumerate(new_slabs(like, shapes)):
+    for li, (kbuf, vbuf) in enumerate(reserved_slabs(like, seqs, width, shapes)):
         # Padding must hold finite values (masked scores still multiply V): each row's columns
         # before what is copied into it are zeroed (not the whole window: a second pass over
         # hundreds of MiB when long rows regroup).

@@ -10,12 +10,12 @@ the same rows. That is Sarathi-Serve's time-between-tokens bound, set relative t
 streams would run anyway, and measured on the machine rather than configured.
 
 Model: a step of r decode rows and u prompt units takes a + b·r + c·u seconds, one least-squares
-fit over recent steps (older ones forgotten geometrically). One fit over all steps, not a decode
-line from decode-only steps and a unit cost from the excess of mixed ones: under steady load
-nearly every step is mixed, so a decode line learnt from the few decode-only steps goes stale,
-and the error it leaves is charged to the prompt units (that made caps shrink to the floor and
-cost 26-33% of the ShareGPT sweep's throughput). Until the fit is determined there is no cap
-(the token budget alone applies).
+fit over recent steps with decode rows (older ones forgotten geometrically). One fit over all
+those steps, not a decode line from decode-only steps and a unit cost from the excess of mixed
+ones: under steady load nearly every step is mixed, so a decode line learnt from the few
+decode-only steps goes stale, and the error it leaves is charged to the prompt units (that made
+caps shrink to the floor and cost 26-33% of the ShareGPT sweep's throughput). Until the fit
+is determined there is no cap (the token budget alone applies).
 """
 
 from __future__ import annotations

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import mmap
+import sys
+
+import pytest
 import torch
 
 from engine.batch import (
@@ -145,30 +149,85 @@ def test_candidates_feed_as_a_tree_and_the_chosen_one_is_kept():
         assert torch.equal(layer.values[1, :, -1], 2 * new[1, :, 2])
 
 
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE
+
+
+def _rows(lengths: list[int], max_new_tokens: int) -> list[Sequence]:
+    job = Job("j", [1], SamplingParams(max_new_tokens=max_new_tokens), "greedy")
+    out = [Sequence(job, i) for i in range(len(lengths))]
+    for s, n in zip(out, lengths):
+        s.kv_len = n
+    return out
+
+
+WIDE = 64  # a head dimension that makes the blocks below tens of MiB, past any huge page
+
+
+def wide_row(length: int, seed: int) -> RowKV:
+    g = torch.Generator().manual_seed(seed)
+    return RowKV([torch.randn(HEADS, length, WIDE, generator=g) for _ in range(LAYERS)],
+                 [torch.randn(HEADS, length, WIDE, generator=g) for _ in range(LAYERS)], length)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
 def test_a_slab_reserves_what_its_rows_may_generate_without_taking_the_memory():
     """On the CPU the columns for every token a row may still generate are reserved up front
     (bounded by MAX_RESERVED_COLUMNS), so decode steps never move the slab; pages never
     written are not resident, and kv_bytes counts the columns in use. Elsewhere the
     reservation stays GROWTH_COLUMNS (device memory is taken at allocation)."""
-    big = [row(300, 0), row(200, 1)]
-    job = Job("j", [1], SamplingParams(max_new_tokens=3000), "greedy")
-    rows = [Sequence(job, i) for i in range(2)]
-    rows[0].kv_len, rows[1].kv_len = 300, 200
-    rows[1].generated = [7] * 1000  # 2,000 left for it, 3,000 for the first
-    with open("/proc/self/statm") as f:
-        before = int(f.read().split()[1])
-    sb = build_sub_batch(rows, big)
-    with open("/proc/self/statm") as f:
-        grown_pages = int(f.read().split()[1]) - before
+    rows = _rows([300, 200], 4000)
+    rows[1].generated = [7] * 1000  # 3,000 left for it, 4,000 for the first
+    sources = [wide_row(300, 0), wide_row(200, 1)]
+    before = _resident_bytes()
+    sb = build_sub_batch(rows, sources)
+    grown = _resident_bytes() - before
     layer = sb.cache.layers[0]
-    assert layer.capacity == 300 + GROWTH_COLUMNS + 3000
-    assert sb.kv_bytes() == LAYERS * 2 * 2 * HEADS * 300 * DIM * 4  # 2 slab rows, to the end
+    assert layer.capacity == 300 + GROWTH_COLUMNS + 4000
+    assert sb.kv_bytes() == LAYERS * 2 * 2 * HEADS * 300 * WIDE * 4  # 2 rows, to the end
     reserved = sum(b.nbytes for la in sb.cache.layers for b in (la.kbuf, la.vbuf))
-    assert grown_pages * 4096 < reserved / 2
+    assert reserved > 16 * 2**20 and grown < reserved / 4
     storage = layer.kbuf.untyped_storage().data_ptr()
-    sb.reserve(300 + 3000)  # the window after 3,000 decode steps: still in place
+    sb.reserve(300 + 4000)  # the window after 4,000 decode steps: still in place
     assert sb.cache.layers[0].kbuf.untyped_storage().data_ptr() == storage
     many = Job("k", [1], SamplingParams(max_new_tokens=100_000), "greedy")
     assert headroom([Sequence(many, 0)], torch.device("cpu")) == \
         GROWTH_COLUMNS + MAX_RESERVED_COLUMNS
     assert headroom(rows, torch.device("cuda")) == GROWTH_COLUMNS
+
+
+def test_dead_columns_left_of_the_window_are_given_back():
+    """When the longest rows leave, the columns left of the window are dead but resident; once
+    they outnumber the window's, the next reserve moves the rows to a fresh block."""
+    rows = _rows([900, 40, 30], 2000)
+    sources = [row(900, 0), row(40, 1), row(30, 2)]
+    sb = build_sub_batch(rows, sources)
+    kept = [sb.row(i) for i in (1, 2)]
+    sb.drop({rows[0]})
+    assert sb.width == 40 and sb.cache.layers[0].start == 860
+    storage = sb.cache.layers[0].kbuf.untyped_storage().data_ptr()
+    sb.reserve(sb.width + 1)
+    layer = sb.cache.layers[0]
+    assert layer.kbuf.untyped_storage().data_ptr() != storage and layer.start == 0
+    for i in range(2):
+        got = sb.row(i)
+        want = next(r for r, s in zip(kept, (rows[1], rows[2])) if s is sb.seqs[i])
+        assert all(torch.equal(a, b) for a, b in zip(got.keys, want.keys))
+
+
+def test_a_reservation_that_cannot_be_mapped_falls_back_to_growth_columns(monkeypatch):
+    """Under strict overcommit accounting a large reservation can fail to map: the slab is
+    then made with GROWTH_COLUMNS to spare, as on a device."""
+    import engine.batch as batch_module
+
+    real = batch_module.new_slabs
+
+    def strict(like, shapes):
+        if shapes[0][0][2] > 100:
+            raise OSError(12, "Cannot allocate memory")
+        return real(like, shapes)
+
+    monkeypatch.setattr(batch_module, "new_slabs", strict)
+    sb = build_sub_batch(_rows([9, 5], 3000), [row(9, 0), row(5, 1)])
+    assert sb.cache.layers[0].capacity == 9 + GROWTH_COLUMNS
