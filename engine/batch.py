@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from engine.host_memory import LAZY_PAGES, mapped_empty
+from engine.host_memory import mapped_empty, pages_on_write
 
 if TYPE_CHECKING:
     from engine.job import Sequence
@@ -43,7 +43,7 @@ MAX_RESERVED_COLUMNS = 4096
 def headroom(seqs: list[Sequence], device: torch.device) -> int:
     """Columns a slab of `seqs` allocates beyond the longest row (see MAX_RESERVED_COLUMNS; a
     row's tokens left are bounded by the context length, checked at submission)."""
-    if device.type != "cpu" or not LAZY_PAGES:
+    if not pages_on_write(device):
         return GROWTH_COLUMNS
     left = max((s.params.max_new_tokens - len(s.generated) for s in seqs), default=0)
     return GROWTH_COLUMNS + min(max(left, 0), MAX_RESERVED_COLUMNS)
@@ -173,7 +173,7 @@ class SubBatch:
         columns reserved past it and spare rows take no memory until written (`headroom`).
         Elsewhere the whole allocation."""
         layers = self.cache.layers
-        if layers[0].kbuf.device.type != "cpu" or not LAZY_PAGES:
+        if not pages_on_write(layers[0].kbuf.device):
             return sum(layer.kbuf.nbytes + layer.vbuf.nbytes for layer in layers)
         return sum(buf[: layer.rows, :, : layer.end].nbytes for layer in layers
                    for buf in (layer.kbuf, layer.vbuf))

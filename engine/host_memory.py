@@ -44,6 +44,12 @@ _FLAGS = (mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE
 LAZY_PAGES = _FLAGS is not None
 
 
+def pages_on_write(device: torch.device) -> bool:
+    """Whether large blocks made for `device` take memory only where written (the CPU's
+    mapped blocks), so that room reserved ahead costs address space alone."""
+    return device.type == "cpu" and LAZY_PAGES
+
+
 def mapped_empty(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     """An uninitialised tensor of `shape` with `like`'s dtype and device; on the CPU and from
     MAPPED_MIN_BYTES up, in an anonymous mapping of its own, unmapped when the tensor's storage
