@@ -232,6 +232,10 @@ OPTIONS: tuple[Option, ...] = (
            "--chunk-attention-tokens",
            "context tokens whose attention a prompt chunk is charged one token for "
            "(0: derived from the model)"),
+    Option("decode_attention", "engine", _choice("auto", "sdpa"), ("option.decode_attention",),
+           "--decode-attention",
+           "one-query attention on bf16 CPU models: auto (seqgate's kernel, compiled for this "
+           "CPU on first use, where it builds) | sdpa (PyTorch's)"),
     Option("quantize", "engine", _choice("none", "int8", "int4"), ("option.quantize",),
            "--quantize",
            "weight-only quantisation for decoding on the CPU: none | int8 | int4"),

@@ -9,6 +9,7 @@ STRATEGIES = ("greedy", "sample", "contrastive")
 POLICIES = ("fifo", "priority", "shortest")
 DTYPES = ("auto", "fp32", "fp16", "bf16")
 QUANTIZE_MODES = ("none", "int8", "int4")
+DECODE_ATTENTION = ("auto", "sdpa")
 
 
 class ConfigError(ValueError):
@@ -79,6 +80,10 @@ class EngineConfig:
     # Context tokens whose attention costs as much as one token's linear layers, for charging
     # a prompt chunk's attention to the budget; 0 derives it from the model (ModelRunner).
     chunk_attention_tokens: int = 0
+    # One-query (decode) attention on bf16 CPU models: auto runs seqgate's own kernel
+    # (engine/native.py, compiled for the host on first use) where it builds, else PyTorch's
+    # SDPA; sdpa always runs SDPA.
+    decode_attention: str = "auto"
     # Weight-only quantisation on the CPU (engine/quantize.py): none | int8 | int4.
     quantize: str = "none"
     # torch intra-op threads; 0 picks a default from the cores available.
@@ -97,6 +102,9 @@ class EngineConfig:
             raise ConfigError("quantize", self.quantize, f"one of {QUANTIZE_MODES}")
         if self.decoding_strategy not in STRATEGIES:
             raise ConfigError("decoding_strategy", self.decoding_strategy, f"one of {STRATEGIES}")
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ConfigError("decode_attention", self.decode_attention,
+                              f"one of {DECODE_ATTENTION}")
         if self.scheduling_policy not in POLICIES:
             raise ConfigError("scheduling_policy", self.scheduling_policy, f"one of {POLICIES}")
         if not self.scheduling_age_limit > 0:

@@ -11,16 +11,17 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from engine import fused, lean, prepack
+from engine import fused, lean, native, prepack
 from engine.batch import RollingBatch, RowKV, SubBatch, row_from_cache
 from engine.config import EngineConfig
 from engine.decoder import TokenDecoder, fail
 from engine.grammar import GrammarCompiler
 from engine.job import Job, SeqStatus, Sequence
-from engine.loader import LoadedModel, load_model
+from engine.loader import LoadedModel, default_cache_dir, load_model
 from engine.outputs import JobDelta, StepStats
 from engine.radix_cache import PrefixEntry, RadixPrefixCache
 from engine.runner import Chunk, GroupResult, ModelRunner
@@ -144,6 +145,8 @@ class Engine:
         single = self.config.tensor_parallel_degree == 1
         self.prepacked_layers = prepack.install(self.loaded.model) if single else 0
         self.lean_layers = lean.install(self.loaded.model) if single else 0
+        self.decode_kernel_layers = fused.use_decode_kernel(
+            self.loaded.model, self._decode_kernel() if single else None)
         self.prefix_cache = RadixPrefixCache(self.config.prompt_cache_bytes)
         # Ranks in lock step must plan alike: no costs read from each one's clock.
         self.scheduler = Scheduler(
@@ -163,6 +166,15 @@ class Engine:
         self.draining = False
         self._admit_lock = threading.Lock()
         self.lockstep = Lockstep(self) if ranks is not None else None
+
+    def _decode_kernel(self):
+        """engine.native's decode-attention kernel where it applies (bf16 on the CPU, not turned
+        off) and builds; None: PyTorch's SDPA."""
+        if (self.config.decode_attention != "auto" or self.loaded.device.type != "cpu"
+                or self.runner.dtype != torch.bfloat16):
+            return None
+        cache = self.config.cache_dir
+        return native.decode_attention_kernel(Path(cache) if cache else default_cache_dir())
 
     def _eos_ids(self) -> list[int]:
         ids = set()

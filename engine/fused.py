@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from engine.feed import DecodeFeed
 
 FUSED_ATTENTION = "seqgate_fused"
+# Attribute of an attention layer holding the compiled decode kernel it runs (engine.native).
+DECODE_KERNEL_ATTR = "_seqgate_decode_kernel"
 
 
 @dataclass
@@ -151,15 +153,48 @@ def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, 
     given; this does it in every case where the mask is shared by all heads."""
     groups = getattr(module, "num_key_value_groups", 1)
     rows, heads, q_len, dim = query.shape
-    if (q_len != 1 or groups <= 1 or dropout or kwargs.get("softcap") is not None
+    if (q_len != 1 or dropout or kwargs.get("softcap") is not None
             or kwargs.get("position_bias") is not None
             or (attention_mask is not None and attention_mask.shape[1] != 1)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    kernel = getattr(module, DECODE_KERNEL_ATTR, None)
+    if kernel is not None and _native_fits(query, key, value, attention_mask):
+        mask = None if attention_mask is None else attention_mask[:, 0, 0]
+        scale = scaling if scaling is not None else dim ** -0.5
+        out = kernel.decode_attention(query[:, :, 0], key, value, mask, scale)
+        return out.view(rows, 1, heads, dim), None
+    if groups <= 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     out = torch.nn.functional.scaled_dot_product_attention(
         query.reshape(rows, heads // groups, groups, dim), key, value, attn_mask=attention_mask,
         scale=scaling)
     return out.reshape(rows, 1, heads, value.shape[-1]), None
+
+
+def _native_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 mask: torch.Tensor | None) -> bool:
+    """Whether the compiled decode kernel (engine.native) takes this call: bf16 on the CPU,
+    head dims contiguous, and a bool mask of one row per query row, or none."""
+    return (query.device.type == "cpu" and query.dtype == key.dtype == torch.bfloat16
+            and value.shape == key.shape and value.dtype == key.dtype
+            and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
+            and (mask is None or (mask.dtype == torch.bool and mask.shape[2] == 1
+                                  and mask.shape[0] == query.shape[0]
+                                  and mask.shape[-1] == key.shape[2]
+                                  and mask.stride(-1) == 1)))
+
+
+def use_decode_kernel(model: torch.nn.Module, kernel) -> int:
+    """Have `model`'s attention layers run one-query steps through `kernel` (engine.native's
+    decode-attention module; None: PyTorch's SDPA). Returns how many layers take it."""
+    layers = 0
+    for module in model.modules():
+        if hasattr(module, "num_key_value_groups"):
+            setattr(module, DECODE_KERNEL_ATTR, kernel)
+            layers += 1
+    return layers if kernel is not None else 0
 
 
 def _eager(model: torch.nn.Module):

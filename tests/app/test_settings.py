@@ -152,6 +152,16 @@ def test_quantize_from_each_source(props):
         load_settings(config_file=props("option.quantize=int3\n"), env={})
 
 
+def test_decode_attention_from_each_source(props):
+    assert load_settings(env={}).engine.decode_attention == "auto"
+    assert load_settings(config_file=props("option.decode_attention=sdpa\n"),
+                         env={}).engine.decode_attention == "sdpa"
+    assert load_settings(env={"SEQGATE_DECODE_ATTENTION": "sdpa"}).engine.decode_attention \
+        == "sdpa"
+    with pytest.raises(SettingsError, match=r"^option.decode_attention .*flash.* one of auto"):
+        load_settings(config_file=props("option.decode_attention=flash\n"), env={})
+
+
 def test_stall_ratio_from_each_source(props):
     assert load_settings(env={}).engine.stall_ratio == 2.5  # the default
     assert load_settings(config_file=props("option.stall_ratio=4\n"), env={}).engine \
