@@ -20,7 +20,9 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+// The vector path needs AVX512 F, BW (16-bit unpacks, byte masks) and VL.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SEQGATE_AVX512 1
 #include <immintrin.h>
 #endif
 
@@ -43,7 +45,7 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as PyTorch d
   return static_cast<uint16_t>(u >> 16);
 }
 
-#if defined(__AVX512F__)
+#if defined(SEQGATE_AVX512)
 // exp(x) for x <= 0: 2^n * e^r with |r| <= ln2/2, e^r by its Taylor series to r^7 (relative
 // error below 1e-7, under float's own rounding).
 inline __m512 exp_ps(__m512 x) {
@@ -103,7 +105,7 @@ void scores_generic(const Problem& pb, const uint16_t* kp, const bool* mr, const
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(SEQGATE_AVX512)
 // Sixteen vectors to one: lane i of the result is the sum of a[i]'s lanes.
 inline __m512 sum16(__m512* a) {
   __m512 b[8], c[4], d[2];
@@ -287,7 +289,7 @@ void softmax(const Problem& pb, float* s, const float* mx, float* inv) {
     float* sg = s + g * C;
     float total = 0.f;
     int64_t c = 0;
-#if defined(__AVX512F__)
+#if defined(SEQGATE_AVX512)
     const __m512 m = _mm512_set1_ps(mx[g]);
     const __m512 hidden = _mm512_set1_ps(kHidden);
     __m512 sum = _mm512_setzero_ps();
@@ -323,7 +325,7 @@ void run_task(const Problem& pb, int64_t task, std::vector<float>& s, std::vecto
     mx[g] = kHidden;
   }
   uint16_t* out = pb.out + (r * pb.kv_heads + h) * groups * D;
-#if defined(__AVX512F__)
+#if defined(SEQGATE_AVX512)
   if constexpr (G > 0) {
     scores_64<G>(pb, kp, mr, qf.data(), s.data(), mx);
     softmax(pb, s.data(), mx, inv);
@@ -395,11 +397,13 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "one-query attention over a KV slab (bf16, CPU)");
+  // Like PyTorch's own operators, the kernel lets other Python threads run (the server's).
+  m.def("decode_attention", &decode_attention, "one-query attention over a KV slab (bf16, CPU)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("instruction_set", []() -> std::string {
-#if defined(__AVX512BF16__)
+#if defined(SEQGATE_AVX512) && defined(__AVX512BF16__)
     return "avx512-bf16";
-#elif defined(__AVX512F__)
+#elif defined(SEQGATE_AVX512)
     return "avx512";
 #else
     return "scalar";
