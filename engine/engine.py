@@ -145,8 +145,11 @@ class Engine:
         single = self.config.tensor_parallel_degree == 1
         self.prepacked_layers = prepack.install(self.loaded.model) if single else 0
         self.lean_layers = lean.install(self.loaded.model) if single else 0
-        self.decode_kernel_layers = fused.use_decode_kernel(
-            self.loaded.model, self._decode_kernel() if single else None)
+        kernel = self._decode_kernel() if single else None
+        self.decode_kernel_layers = fused.use_decode_kernel(self.loaded.model, kernel)
+        if kernel is not None and not self.decode_kernel_layers:
+            log.info("decode attention kernel: this model's head shape is not one it "
+                     "vectorises; using PyTorch's SDPA")
         self.prefix_cache = RadixPrefixCache(self.config.prompt_cache_bytes)
         # Ranks in lock step must plan alike: no costs read from each one's clock.
         self.scheduler = Scheduler(
@@ -168,10 +171,10 @@ class Engine:
         self.lockstep = Lockstep(self) if ranks is not None else None
 
     def _decode_kernel(self):
-        """engine.native's decode-attention kernel where it applies (bf16 on the CPU, not turned
-        off) and builds; None: PyTorch's SDPA."""
-        if (self.config.decode_attention != "auto" or self.loaded.device.type != "cpu"
-                or self.runner.dtype != torch.bfloat16):
+        """engine.native's decode-attention kernel where it applies (bf16 on the CPU, the packed
+        forward, not turned off) and builds; None: PyTorch's SDPA."""
+        if (self.config.decode_attention != "auto" or not self.fused
+                or self.loaded.device.type != "cpu" or self.runner.dtype != torch.bfloat16):
             return None
         cache = self.config.cache_dir
         return native.decode_attention_kernel(Path(cache) if cache else default_cache_dir())

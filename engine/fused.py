@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 FUSED_ATTENTION = "seqgate_fused"
 # Attribute of an attention layer holding the compiled decode kernel it runs (engine.native).
 DECODE_KERNEL_ATTR = "_seqgate_decode_kernel"
+# Attribute of a model holding the attention function `install` dispatches groups to.
+_INNER_ATTR = "_seqgate_fused_inner"
 
 
 @dataclass
@@ -136,6 +138,7 @@ def install(model: torch.nn.Module) -> bool:
             outs.append(g.join(out))
         return torch.cat(outs, dim=1), None
 
+    setattr(model, _INNER_ATTR, inner)
     AttentionInterface.register(FUSED_ATTENTION, attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(FUSED_ATTENTION, mask_fn)
     model.set_attn_implementation(FUSED_ATTENTION)
@@ -175,26 +178,38 @@ def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, 
 
 def _native_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  mask: torch.Tensor | None) -> bool:
-    """Whether the compiled decode kernel (engine.native) takes this call: bf16 on the CPU,
-    head dims contiguous, and a bool mask of one row per query row, or none."""
+    """Whether the compiled decode kernel (engine.native) takes this call: everything its
+    checks ask (bf16 on the CPU, matching rows and head dims, whole groups of query heads, head
+    dims contiguous, a [rows, 1, 1, columns] bool mask or none), so that it never refuses one."""
+    rows, heads, _, dim = query.shape
     return (query.device.type == "cpu" and query.dtype == key.dtype == torch.bfloat16
-            and value.shape == key.shape and value.dtype == key.dtype
+            and key.dim() == 4 and value.shape == key.shape and value.dtype == key.dtype
+            and key.shape[0] == rows and key.shape[3] == dim and 0 < key.shape[1]
+            and heads % key.shape[1] == 0
             and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
-            and (mask is None or (mask.dtype == torch.bool and mask.shape[2] == 1
-                                  and mask.shape[0] == query.shape[0]
-                                  and mask.shape[-1] == key.shape[2]
+            and (mask is None or (mask.dim() == 4 and mask.dtype == torch.bool
+                                  and mask.shape[:3] == (rows, 1, 1)
+                                  and mask.shape[3] == key.shape[2]
                                   and mask.stride(-1) == 1)))
 
 
 def use_decode_kernel(model: torch.nn.Module, kernel) -> int:
     """Have `model`'s attention layers run one-query steps through `kernel` (engine.native's
-    decode-attention module; None: PyTorch's SDPA). Returns how many layers take it."""
+    decode-attention module; None: PyTorch's SDPA) where it can: the packed dispatcher runs
+    SDPA (`install` on a model whose attention was transformers' SDPA) and the layer's head size
+    and query heads per KV head take the kernel's vector path. Returns how many layers do."""
+    if getattr(model, _INNER_ATTR, None) is not _sdpa:
+        kernel = None
     layers = 0
     for module in model.modules():
-        if hasattr(module, "num_key_value_groups"):
-            setattr(module, DECODE_KERNEL_ATTR, kernel)
-            layers += 1
-    return layers if kernel is not None else 0
+        groups = getattr(module, "num_key_value_groups", None)
+        if groups is None:
+            continue
+        dim = getattr(module, "head_dim", None)
+        fits = kernel is not None and dim is not None and kernel.vectorised(dim, groups)
+        setattr(module, DECODE_KERNEL_ATTR, kernel if fits else None)
+        layers += fits
+    return layers
 
 
 def _eager(model: torch.nn.Module):

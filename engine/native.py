@@ -17,9 +17,14 @@ ninja), the engine logs why once and runs PyTorch's SDPA as before.
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import hashlib
 import logging
+import os
 import platform
+import re
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -36,6 +41,12 @@ _lock = threading.Lock()
 _built: dict[Path, ModuleType | None] = {}
 
 
+# The CPU features `-march=native` compiles for (not the mitigation flags, which change with
+# microcode and kernel updates and would only cost rebuilds).
+_ISA = re.compile(r"^(sse|ssse|avx|fma|f16c|bmi|amx|vnni|vaes|vpclmul|gfni|movbe|popcnt|lzcnt|"
+                  r"abm|adx|sha|asimd|sve|neon|fp|fphp)")
+
+
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -46,12 +57,31 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.cache
+def _compiler() -> str:
+    """The C++ compiler's version line (torch's builder runs `$CXX`, else `c++`)."""
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=10)
+        return out.stdout.splitlines()[0] if out.stdout else cxx
+    except (OSError, subprocess.SubprocessError):
+        return cxx
+
+
 def build_key() -> str:
-    """What a built kernel depends on: source, flags, torch, the CPU's features."""
+    """What a built kernel depends on: source, flags, compiler, Python, torch, the CPU's ISA."""
+    isa = " ".join(sorted(f for f in _cpu_flags().split() if _ISA.match(f)))
     h = hashlib.sha256(SOURCE.read_bytes())
-    for part in (*FLAGS, torch.__version__, _cpu_flags()):
+    for part in (*FLAGS, _compiler(), platform.python_version(), torch.__version__, isa):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
+
+
+def _failure(exc: Exception) -> str:
+    """The line of a failed build that says why (a compiler's first `error:`), else its last."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error:" in ln]
+    return (errors[0] if errors else lines[-1] if lines else type(exc).__name__)[:300]
 
 
 def decode_attention_kernel(cache_dir: Path) -> ModuleType | None:
@@ -64,15 +94,11 @@ def decode_attention_kernel(cache_dir: Path) -> ModuleType | None:
             return _built[where]
         start = time.perf_counter()
         try:
-            from torch.utils import cpp_extension
-
-            where.mkdir(parents=True, exist_ok=True)
-            module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=list(FLAGS),
-                                        build_directory=str(where), verbose=False)
+            module = _build(name, where)
         except Exception as exc:  # no compiler, no ninja, a failed build: SDPA instead
-            detail = str(exc).strip().splitlines()
             log.warning("decode attention kernel unavailable, using PyTorch's SDPA (%s)",
-                        detail[-1] if detail else type(exc).__name__)
+                        _failure(exc))
+            log.debug("decode attention kernel build failed", exc_info=True)
             module = None
         else:
             isa = module.instruction_set()
@@ -84,3 +110,23 @@ def decode_attention_kernel(cache_dir: Path) -> ModuleType | None:
                          isa, time.perf_counter() - start, where)
         _built[where] = module
         return module
+
+
+def _build(name: str, where: Path) -> ModuleType:
+    """Build (or load) the extension in `where`, one process at a time.
+
+    torch's builder waits, without a deadline, for a `lock` file that a process killed while
+    building (a container stopped during the first start) leaves behind. Builds here are
+    serialised by an flock instead, which the kernel releases when its holder dies; under it,
+    any `lock` file left in the build directory is stale and is removed."""
+    from torch.utils import cpp_extension
+
+    where.mkdir(parents=True, exist_ok=True)
+    with open(where.parent / f"{name}.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            (where / "lock").unlink(missing_ok=True)
+            return cpp_extension.load(name, [str(SOURCE)], extra_cflags=list(FLAGS),
+                                      build_directory=str(where), verbose=False)
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)

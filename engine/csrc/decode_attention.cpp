@@ -6,8 +6,12 @@
 // the group's query heads dot every attended key, sixteen keys at a time (bf16 pairs into fp32
 // with AVX512-BF16, else converted to fp32), a two-pass softmax in fp32 with a vectorised exp,
 // then the values weighted and summed in fp32 and rounded once to bf16. Like PyTorch's kernel,
-// the weights are rounded to bf16 before they multiply the values (AVX512-BF16 only). Columns
-// the mask hides are skipped. Checked against PyTorch's SDPA in tests/engine/test_native.py.
+// the weights are rounded to bf16 before they multiply the values (AVX512-BF16 only). Keys the
+// mask hides get weight 0: blocks of 16 hidden keys are skipped, partly hidden blocks compute
+// and discard their scores, and a hidden value row may still be read beside a shown one (so,
+// as for SDPA, padding must hold finite values). Head dim 64 with 1-4 query heads per KV head
+// is vectorised (`vectorised`); other shapes run a scalar path, which the engine leaves to
+// SDPA. Checked against PyTorch's SDPA in tests/engine/test_native.py.
 //
 // Built on first use by engine/native.py (torch.utils.cpp_extension) for the host CPU. Without
 // AVX512 only a scalar path is compiled; engine/native.py then leaves attention to SDPA.
@@ -295,7 +299,7 @@ void softmax(const Problem& pb, float* s, const float* mx, float* inv) {
     __m512 sum = _mm512_setzero_ps();
     for (; c + 16 <= C; c += 16) {
       const __m512 x = _mm512_loadu_ps(sg + c);
-      const __mmask16 shown = _mm512_cmp_ps_mask(x, hidden, _CMP_GT_OQ);
+      const __mmask16 shown = _mm512_cmp_ps_mask(x, hidden, _CMP_NEQ_UQ);  // NaN: shown
       const __m512 e = _mm512_maskz_mov_ps(shown, exp_ps(_mm512_sub_ps(x, m)));
       _mm512_storeu_ps(sg + c, e);
       sum = _mm512_add_ps(sum, e);
@@ -303,7 +307,7 @@ void softmax(const Problem& pb, float* s, const float* mx, float* inv) {
     total = _mm512_reduce_add_ps(sum);
 #endif
     for (; c < C; ++c) {
-      const float e = sg[c] > kHidden ? std::exp(sg[c] - mx[g]) : 0.f;
+      const float e = sg[c] != kHidden ? std::exp(sg[c] - mx[g]) : 0.f;
       sg[c] = e;
       total += e;
     }
@@ -363,7 +367,7 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
   pb.kv_heads = key.size(1);
   pb.columns = key.size(2);
   pb.dim = key.size(3);
-  TORCH_CHECK(query.size(0) == pb.rows && query.size(2) == pb.dim &&
+  TORCH_CHECK(pb.kv_heads > 0 && query.size(0) == pb.rows && query.size(2) == pb.dim &&
               query.size(1) % pb.kv_heads == 0, "query shape");
   pb.groups = query.size(1) / pb.kv_heads;
   TORCH_CHECK(pb.groups <= 64, "at most 64 query heads per KV head");
@@ -400,6 +404,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Like PyTorch's own operators, the kernel lets other Python threads run (the server's).
   m.def("decode_attention", &decode_attention, "one-query attention over a KV slab (bf16, CPU)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("vectorised", [](int64_t dim, int64_t groups) {
+#if defined(SEQGATE_AVX512)
+    return dim == 64 && groups >= 1 && groups <= 4;
+#else
+    return false;
+#endif
+  }, "whether heads of this size, this many per KV head, take the vector path");
   m.def("instruction_set", []() -> std::string {
 #if defined(SEQGATE_AVX512) && defined(__AVX512BF16__)
     return "avx512-bf16";

@@ -38,11 +38,34 @@ def kernel():
 
 
 @needs_kernel
-def test_the_kernel_builds_once_per_source_cpu_and_torch(kernel):
+def test_the_kernel_builds_once_and_says_which_shapes_it_vectorises(kernel):
     assert kernel.instruction_set() in ("avx512", "avx512-bf16")
     assert native.decode_attention_kernel(default_cache_dir()) is kernel  # built once
+    assert kernel.vectorised(64, 3) and kernel.vectorised(64, 1)
+    assert not kernel.vectorised(128, 3) and not kernel.vectorised(64, 5)
+
+
+def test_a_new_source_or_new_flags_make_a_new_build(tmp_path, monkeypatch):
     key = native.build_key()
     assert len(key) == 16 and key == native.build_key()
+    copy = tmp_path / "decode_attention.cpp"
+    copy.write_text(native.SOURCE.read_text() + "\n// changed\n")
+    monkeypatch.setattr(native, "SOURCE", copy)
+    assert native.build_key() != key
+    monkeypatch.undo()
+    monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-DSEQGATE_TEST"))
+    assert native.build_key() != key
+
+
+@needs_kernel
+@pytest.mark.timeout(300)
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start(kernel, monkeypatch):
+    """torch's builder waits forever on a `lock` file that a process killed mid-build left."""
+    where = default_cache_dir() / "kernels" / f"seqgate_decode_attention_{native.build_key()}"
+    (where / "lock").write_text("")
+    monkeypatch.setattr(native, "_built", {})
+    again = native.decode_attention_kernel(default_cache_dir())
+    assert again is not None and not (where / "lock").exists()
 
 
 def _slab_view(rows, kv_heads, columns, dim, spare=24, gen=None, scale=1.0):
@@ -101,6 +124,20 @@ def test_the_kernel_is_as_close_to_fp32_as_sdpa(kernel, rows, kv_heads, groups, 
 
 
 @needs_kernel
+def test_a_nan_among_shown_keys_comes_out_as_nan_as_with_sdpa(kernel):
+    gen = torch.Generator().manual_seed(3)
+    k = _slab_view(2, 3, 40, 64, gen=gen)
+    v = _slab_view(2, 3, 40, 64, gen=gen)
+    k[1, 0, 7, 5] = float("nan")
+    q = torch.randn(2, 9, 64, generator=gen).to(torch.bfloat16)
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    out = kernel.decode_attention(q, k, v, mask, 0.125)
+    assert out[1, :3].isnan().all() and not out[0].isnan().any() and not out[1, 3:].isnan().any()
+    mask[1, 7] = False  # hidden, it is left out
+    assert not kernel.decode_attention(q, k, v, mask, 0.125).isnan().any()
+
+
+@needs_kernel
 def test_sdpa_dispatch_takes_the_kernel_only_where_it_applies(kernel):
     """`fused._sdpa` hands one-query bf16 steps with a bool row mask to the kernel, and
     everything else (fp32, several queries, additive masks) to SDPA, with the same result."""
@@ -135,11 +172,13 @@ def test_sdpa_dispatch_takes_the_kernel_only_where_it_applies(kernel):
     assert len(calls) == 2
 
 
-def _tiny_llama(dtype: torch.dtype, smollm2: LoadedModel) -> LoadedModel:
-    """A 2-layer random Llama with SmolLM2's head shape (64) and 3 query heads per KV head."""
+def _tiny_llama(dtype: torch.dtype, smollm2: LoadedModel, heads: int = 6,
+                head_dim: int = 64) -> LoadedModel:
+    """A 2-layer random Llama with 2 KV heads; by default SmolLM2's head size (64) and 3 query
+    heads per KV head."""
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=smollm2.model.config.vocab_size, hidden_size=384,
-                      intermediate_size=256, num_hidden_layers=2, num_attention_heads=6,
+    cfg = LlamaConfig(vocab_size=smollm2.model.config.vocab_size, hidden_size=heads * head_dim,
+                      intermediate_size=256, num_hidden_layers=2, num_attention_heads=heads,
                       num_key_value_heads=2, max_position_embeddings=2048,
                       eos_token_id=smollm2.model.config.eos_token_id,
                       tie_word_embeddings=True, attn_implementation="sdpa")
@@ -175,6 +214,13 @@ def test_a_bf16_cpu_engine_decodes_through_the_kernel(smollm2, make_engine, kern
     assert make_engine(loaded, decode_attention="sdpa").decode_kernel_layers == 0
     assert all(getattr(m, fused.DECODE_KERNEL_ATTR) is None for m in attention)
     assert make_engine(_tiny_llama(torch.float32, smollm2)).decode_kernel_layers == 0
+    # shapes the kernel only runs on its scalar path: SDPA
+    assert make_engine(_tiny_llama(torch.bfloat16, smollm2, heads=10)).decode_kernel_layers == 0
+    assert make_engine(_tiny_llama(torch.bfloat16, smollm2, head_dim=128)) \
+        .decode_kernel_layers == 0
+    # without the packed forward nothing dispatches to it: not even built
+    assert make_engine(_tiny_llama(torch.bfloat16, smollm2),
+                       fuse_sub_batches=False).decode_kernel_layers == 0
 
 
 def test_a_kernel_that_cannot_build_leaves_attention_to_sdpa(tmp_path, monkeypatch, caplog):
