@@ -53,7 +53,7 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as PyTorch d
 // exp(x) for x <= 0: 2^n * e^r with |r| <= ln2/2, e^r by its Taylor series to r^7 (relative
 // error below 1e-7, under float's own rounding).
 inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // NaN (the second operand) passes through
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);

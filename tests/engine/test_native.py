@@ -196,6 +196,8 @@ def test_a_bf16_cpu_engine_decodes_through_the_kernel(smollm2, make_engine, kern
     calls = []
 
     class Spy:
+        vectorised = kernel.vectorised
+
         def decode_attention(self, *args):
             calls.append(args[0].shape[0])
             return kernel.decode_attention(*args)
