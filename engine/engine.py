@@ -11,7 +11,6 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -21,7 +20,7 @@ from engine.config import EngineConfig
 from engine.decoder import TokenDecoder, fail
 from engine.grammar import GrammarCompiler
 from engine.job import Job, SeqStatus, Sequence
-from engine.loader import LoadedModel, default_cache_dir, load_model
+from engine.loader import LoadedModel, cache_dir, load_model
 from engine.outputs import JobDelta, StepStats
 from engine.radix_cache import PrefixEntry, RadixPrefixCache
 from engine.runner import Chunk, GroupResult, ModelRunner
@@ -145,7 +144,7 @@ class Engine:
         single = self.config.tensor_parallel_degree == 1
         self.prepacked_layers = prepack.install(self.loaded.model) if single else 0
         self.lean_layers = lean.install(self.loaded.model) if single else 0
-        kernel = self._decode_kernel() if single else None
+        kernel = self._decode_kernel()
         self.decode_kernel_layers = fused.use_decode_kernel(self.loaded.model, kernel)
         if kernel is not None and not self.decode_kernel_layers:
             log.info("decode attention kernel: this model's head shape is not one it "
@@ -171,13 +170,13 @@ class Engine:
         self.lockstep = Lockstep(self) if ranks is not None else None
 
     def _decode_kernel(self):
-        """engine.native's decode-attention kernel where it applies (bf16 on the CPU, the packed
-        forward, not turned off) and builds; None: PyTorch's SDPA."""
+        """engine.native's decode-attention kernel where it applies (bf16 on the CPU, one
+        process, the packed forward, not turned off) and builds; None: PyTorch's SDPA."""
         if (self.config.decode_attention != "auto" or not self.fused
+                or self.config.tensor_parallel_degree != 1
                 or self.loaded.device.type != "cpu" or self.runner.dtype != torch.bfloat16):
             return None
-        cache = self.config.cache_dir
-        return native.decode_attention_kernel(Path(cache) if cache else default_cache_dir())
+        return native.decode_attention_kernel(cache_dir(self.config))
 
     def _eos_ids(self) -> list[int]:
         ids = set()

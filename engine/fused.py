@@ -153,7 +153,9 @@ def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, 
     kernel for `enable_gqa`, whose CPU path is several times slower for a single query than
     the same product with the query heads of a group stacked as rows (SmolLM2-135M, bf16, 2
     threads, 300 keys: 273 vs 85 µs per layer). transformers stacks them itself when a mask is
-    given; this does it in every case where the mask is shared by all heads."""
+    given; this does it in every case where the mask is shared by all heads. Where
+    `use_decode_kernel` gave the layer engine.native's kernel and the call fits it
+    (`_native_fits`), the kernel runs instead."""
     groups = getattr(module, "num_key_value_groups", 1)
     rows, heads, q_len, dim = query.shape
     if (q_len != 1 or dropout or kwargs.get("softcap") is not None

@@ -114,6 +114,12 @@ def default_cache_dir() -> Path:
     return Path(root)
 
 
+def cache_dir(config: EngineConfig) -> Path:
+    """Where this engine keeps what it derives once per machine: de-quantised GGUF weights,
+    compiled kernels (`option.cache_dir`, else `default_cache_dir()`)."""
+    return Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+
+
 def _gguf_cache_path(gguf: Path, cache_dir: Path) -> Path:
     stat = gguf.stat()
     key = hashlib.sha256(
@@ -125,9 +131,7 @@ def _gguf_cache_path(gguf: Path, cache_dir: Path) -> Path:
 def _load_gguf(gguf: Path, config: EngineConfig, dtype: torch.dtype) -> tuple[object, object, bool]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cache = _gguf_cache_path(
-        gguf, Path(config.cache_dir) if config.cache_dir else default_cache_dir()
-    )
+    cache = _gguf_cache_path(gguf, cache_dir(config))
     if (cache / "model.safetensors").is_file() or (
         cache / "model.safetensors.index.json"
     ).is_file():

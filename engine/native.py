@@ -9,10 +9,11 @@ vLLM's and llama.cpp's are inside their own servers), so this is a small one of 
 
 It is built with torch's own extension builder (`torch.utils.cpp_extension`, ninja and the
 system's C++ compiler) with `-march=native`, into the cache directory under a name keyed by its
-source, the flags, the torch version and the CPU's feature flags: a cache shared by machines
-of different CPUs never hands one the other's binary. The first build takes about 25 s on 2
-cores; later starts load it in well under a second. Where it cannot be built (no compiler, no
-ninja), the engine logs why once and runs PyTorch's SDPA as before.
+source, the flags, the compiler, Python and torch versions and the CPU's instruction-set flags:
+a cache shared by machines of different CPUs never hands one the other's binary. The first
+build takes about 25 s on 2 cores; later starts load it in well under a second. Where it
+cannot be built (no compiler, no ninja), the engine logs why once and runs PyTorch's SDPA as
+before.
 """
 
 from __future__ import annotations
