@@ -41,10 +41,15 @@ class ServerSpec:
     kind: str  # "seqgate" | "transformers" | "llamacpp"
     extra_args: tuple[str, ...] = ()
     ready_path: str = "/health"
+    # seqgate from another checkout (`python -m app serve` run there, this interpreter): an
+    # older commit measured beside this one. None: this checkout's `seqgate` script.
+    checkout: Path | None = None
 
     def argv(self, model_dir: Path, port: int) -> list[str]:
         if self.kind == "seqgate":
-            return [_venv_script("seqgate"), "serve", "--model", str(model_dir), "--device", "cpu",
+            launcher = [sys.executable, "-m", "app"] if self.checkout is not None else \
+                [_venv_script("seqgate")]
+            return [*launcher, "serve", "--model", str(model_dir), "--device", "cpu",
                     "--host", "127.0.0.1", "--port", str(port), *self.extra_args]
         if self.kind == "transformers":
             return [_venv_script("transformers"), "serve", str(model_dir), "--device", "cpu",
@@ -281,7 +286,7 @@ class ServerProcess:
         log.flush()
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL, cwd=self.spec.checkout)
         log.close()
         try:
             self._wait_ready()

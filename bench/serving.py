@@ -15,6 +15,7 @@ Phases:
   sweep      ShareGPT requests (first human turn; first reply's tokens as max_tokens, capped;
              prompts 4-1024 tokens) at each concurrency:requests pair; for each pair the servers
              run in turn, `--repeats` times (A B C A B C): seqgate/peer ratios pair adjacent runs.
+             `--checkout DIR` adds seqgate from another checkout (an older commit) to the turn.
   agreement  the first --agreement-prompts requests, non-streamed: seqgate at each of
              --agreement-dtypes against each peer; same texts? where not, where they part.
   cache      the sweep's requests behind one shared ~430-token system prompt: seqgate with its
@@ -33,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -116,6 +118,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "--seqgate-arg=--num-threads=1)")
     ap.add_argument("--peer-arg", action="append", default=[],
                     help="extra flag for every transformers serve (repeatable)")
+    ap.add_argument("--checkout", type=Path, default=None,
+                    help="sweep: also run seqgate from this other checkout (an older commit, "
+                         "`python -m app serve` there), labelled seqgate@<commit>")
     ap.add_argument("--request-timeout", type=float, default=3600.0)
     ap.add_argument("--model-dir", type=Path, default=None,
                     help="model directory for all servers (default: seqgate's safetensors "
@@ -234,7 +239,14 @@ class Bench:
                              max_output=self.args.max_tokens)
 
     def sweep_servers(self) -> list[ServerSpec]:
-        return [self.spec(SWEEP_SERVERS[name]) for name in self.args.servers.split(",")]
+        specs = [self.spec(SWEEP_SERVERS[name]) for name in self.args.servers.split(",")]
+        if self.args.checkout is not None:  # an older commit's seqgate beside this one
+            commit = subprocess.run(["git", "-C", str(self.args.checkout), "rev-parse", "--short",
+                                     "HEAD"], capture_output=True, text=True, check=True)
+            specs.append(dataclasses.replace(self.spec(SEQGATE),
+                                             label=f"seqgate@{commit.stdout.strip()}",
+                                             checkout=self.args.checkout.resolve()))
+        return specs
 
     def run_sweep(self) -> None:
         levels = load_pairs(self.args.sweep)

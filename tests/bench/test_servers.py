@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -22,3 +23,14 @@ def test_other_servers_ignore_the_concurrency():
     assert SEQGATE.for_concurrency(32) is SEQGATE and TF_SERVE.for_concurrency(8) is TF_SERVE
     assert TF_SERVE.request_model(Path("/models/x"), None) == "/models/x"
     assert SEQGATE.request_model(Path("/models/x"), "SmolLM2") == "SmolLM2"
+
+
+def test_seqgate_from_another_checkout_runs_its_app_module_there():
+    """`bench.serving --checkout DIR`: `python -m app` started with DIR as working directory
+    imports that checkout's code, not this one's installed `seqgate` script."""
+    spec = dataclasses.replace(SEQGATE, label="seqgate@abc1234", checkout=Path("/src/old"))
+    argv = spec.argv(Path("/models/x"), 8123)
+    assert argv[:4] == [sys.executable, "-m", "app", "serve"]
+    assert argv[argv.index("--model") + 1] == "/models/x"
+    assert SEQGATE.argv(Path("/models/x"), 8123)[1] == "serve"  # this checkout: the script
+    assert SEQGATE.checkout is None
