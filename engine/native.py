@@ -119,7 +119,12 @@ def _build(name: str, where: Path) -> ModuleType:
     torch's builder waits, without a deadline, for a `lock` file that a process killed while
     building (a container stopped during the first start) leaves behind. Builds here are
     serialised by an flock instead, which the kernel releases when its holder dies; under it,
-    any `lock` file left in the build directory is stale and is removed."""
+    any `lock` file left in the build directory is stale and is removed.
+
+    It compiles a copy of the source kept in the build directory: ninja rebuilds whenever the
+    compile command changes, and the command names the source's path, so two checkouts or
+    installs sharing a cache would otherwise rebuild (25-30 s) each time the other had started.
+    The directory's name is keyed by the source's content, so the copy is always the same."""
     from torch.utils import cpp_extension
 
     where.mkdir(parents=True, exist_ok=True)
@@ -127,7 +132,11 @@ def _build(name: str, where: Path) -> ModuleType:
         fcntl.flock(held, fcntl.LOCK_EX)
         try:
             (where / "lock").unlink(missing_ok=True)
-            return cpp_extension.load(name, [str(SOURCE)], extra_cflags=list(FLAGS),
+            source = where / SOURCE.name
+            text = SOURCE.read_bytes()
+            if not source.is_file() or source.read_bytes() != text:
+                source.write_bytes(text)
+            return cpp_extension.load(name, [str(source)], extra_cflags=list(FLAGS),
                                       build_directory=str(where), verbose=False)
         finally:
             fcntl.flock(held, fcntl.LOCK_UN)

@@ -6,6 +6,8 @@ attention through it only where it applies."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -66,6 +68,27 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start(kernel, monk
     monkeypatch.setattr(native, "_built", {})
     again = native.decode_attention_kernel(default_cache_dir())
     assert again is not None and not (where / "lock").exists()
+
+
+@needs_kernel
+@pytest.mark.timeout(300)
+def test_the_same_source_elsewhere_reuses_the_build(kernel, tmp_path):
+    """Another checkout (or install) of the same source, in another process, shares the build
+    instead of making ninja recompile it (its command names the copy in the build directory).
+    torch's builder skips the build step for a source it loaded before in the same process, so
+    the other start is a process of its own."""
+    where = default_cache_dir() / "kernels" / f"seqgate_decode_attention_{native.build_key()}"
+    built = (where / "decode_attention.o").stat().st_mtime_ns
+    elsewhere = tmp_path / "csrc" / "decode_attention.cpp"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(native.SOURCE.read_bytes())
+    start = ("import sys, pathlib; from engine import native; from engine.loader import "
+             "default_cache_dir; native.SOURCE = pathlib.Path(sys.argv[1]); "
+             "sys.exit(native.decode_attention_kernel(default_cache_dir()) is None)")
+    subprocess.run([sys.executable, "-c", start, str(elsewhere)], check=True, timeout=290,
+                   cwd=Path(native.__file__).parents[1])
+    assert (where / "decode_attention.o").stat().st_mtime_ns == built
+    assert str(tmp_path) not in (where / "build.ninja").read_text()
 
 
 def _slab_view(rows, kv_heads, columns, dim, spare=24, gen=None, scale=1.0):
