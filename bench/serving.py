@@ -151,11 +151,15 @@ class Bench:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         config = json.loads((self.model_dir / "config.json").read_text())
         self.weights_dtype = config.get("dtype") or config.get("torch_dtype") or "?"
-        self.data = {"meta": {"command": provenance.command(argv), "started": provenance.now(),
+        command, shown = provenance.command(argv), dict(vars(args))
+        if args.checkout is not None:  # no local paths in the results and the report
+            command = command.replace(str(args.checkout), "DIR")
+            shown["checkout"] = "DIR"
+        self.data = {"meta": {"command": command, "started": provenance.now(),
                               "machine": provenance.machine(), "versions": provenance.versions(),
                               "model_dir": str(self.model_dir),
                               "weights_dtype": self.weights_dtype,
-                              "args": _jsonable(vars(args)),
+                              "args": _jsonable(shown),
                               "phase_seconds": {}},
                      "sweep": [], "agreement": {}, "cache": [], "splitting": [], "failures": []}
         self.logs = RESULTS / "logs"
