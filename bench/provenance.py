@@ -47,6 +47,11 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def commit_of(checkout: Path) -> str:
+    """Another checkout's short commit (`--checkout DIR` of the benchmarks), or "?"."""
+    return _git("-C", str(checkout), "rev-parse", "--short", "HEAD") or "?"
+
+
 def versions() -> dict:
     def version(dist: str) -> str | None:
         try:

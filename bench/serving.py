@@ -34,7 +34,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -163,6 +162,10 @@ class Bench:
                               "phase_seconds": {}},
                      "sweep": [], "agreement": {}, "cache": [], "splitting": [], "failures": []}
         self.logs = RESULTS / "logs"
+        # An older commit's seqgate run beside this one in the sweep (`--checkout`).
+        self.checkout = None if args.checkout is None else dataclasses.replace(
+            self.spec(SEQGATE, label=f"seqgate@{provenance.commit_of(args.checkout)}"),
+            checkout=args.checkout.resolve())
 
     def spec(self, base: ServerSpec, *extra: str, label: str | None = None) -> ServerSpec:
         own = self.args.seqgate_arg if base.kind == "seqgate" else self.args.peer_arg
@@ -244,13 +247,7 @@ class Bench:
 
     def sweep_servers(self) -> list[ServerSpec]:
         specs = [self.spec(SWEEP_SERVERS[name]) for name in self.args.servers.split(",")]
-        if self.args.checkout is not None:  # an older commit's seqgate beside this one
-            commit = subprocess.run(["git", "-C", str(self.args.checkout), "rev-parse", "--short",
-                                     "HEAD"], capture_output=True, text=True, check=True)
-            specs.append(dataclasses.replace(self.spec(SEQGATE),
-                                             label=f"seqgate@{commit.stdout.strip()}",
-                                             checkout=self.args.checkout.resolve()))
-        return specs
+        return specs if self.checkout is None else [*specs, self.checkout]
 
     def run_sweep(self) -> None:
         levels = load_pairs(self.args.sweep)

@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -191,9 +190,7 @@ def main(argv: list[str] | None = None) -> None:
                                  args.long_max, args.seed)
     configs: list[tuple[str, Path | None, list[str]]] = []
     if args.checkout is not None:
-        commit = subprocess.run(["git", "-C", str(args.checkout), "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True).stdout.strip() or "?"
-        configs.append((f"commit {commit}", args.checkout, []))
+        configs.append((f"commit {provenance.commit_of(args.checkout)}", args.checkout, []))
     for b in [int(x) for x in args.budgets.split(",") if x.strip()]:
         configs.append((f"budget {b}", None, ["--max-num-batched-tokens", str(b),
                                                "--stall-ratio", "0"]))
