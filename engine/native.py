@@ -9,11 +9,11 @@ vLLM's and llama.cpp's are inside their own servers), so this is a small one of 
 
 It is built with torch's own extension builder (`torch.utils.cpp_extension`, ninja and the
 system's C++ compiler) with `-march=native`, into the cache directory under a name keyed by its
-source, the flags, the compiler, Python and torch versions and the CPU's instruction-set flags:
-a cache shared by machines of different CPUs never hands one the other's binary. The first
-build takes about 25 s on 2 cores; later starts load it in well under a second. Where it
-cannot be built (no compiler, no ninja), the engine logs why once and runs PyTorch's SDPA as
-before.
+source, the flags, the compiler, Python and torch (versions and places) and the CPU's
+instruction-set flags: a cache shared by machines of different CPUs never hands one the other's
+binary. The first build takes about 25 s on 2 cores; later starts load it in well under a
+second. Where it cannot be built (no compiler, no ninja), the engine logs why once and runs
+PyTorch's SDPA as before.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import os
 import platform
 import re
 import subprocess
+import sysconfig
 import threading
 import time
 from pathlib import Path
@@ -69,11 +70,20 @@ def _compiler() -> str:
         return cxx
 
 
+def _installation() -> tuple[str, str]:
+    """Where torch and Python live: their headers' paths are in the compile command, and ninja
+    rebuilds when the command changes, so each installation keeps a build of its own (two
+    virtual environments sharing a cache would otherwise rebuild each other's at every start)."""
+    return str(Path(torch.__file__).parent), sysconfig.get_paths()["include"]
+
+
 def build_key() -> str:
-    """What a built kernel depends on: source, flags, compiler, Python, torch, the CPU's ISA."""
+    """What a built kernel depends on: source, flags, compiler, Python, torch (version and
+    place), the CPU's ISA."""
     isa = " ".join(sorted(f for f in _cpu_flags().split() if _ISA.match(f)))
     h = hashlib.sha256(SOURCE.read_bytes())
-    for part in (*FLAGS, _compiler(), platform.python_version(), torch.__version__, isa):
+    for part in (*FLAGS, _compiler(), platform.python_version(), torch.__version__,
+                 *_installation(), isa):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
 
@@ -122,9 +132,10 @@ def _build(name: str, where: Path) -> ModuleType:
     any `lock` file left in the build directory is stale and is removed.
 
     It compiles a copy of the source kept in the build directory: ninja rebuilds whenever the
-    compile command changes, and the command names the source's path, so two checkouts or
-    installs sharing a cache would otherwise rebuild (25-30 s) each time the other had started.
-    The directory's name is keyed by the source's content, so the copy is always the same."""
+    compile command changes, and the command names the source's path, so two checkouts sharing
+    a cache and an installation would otherwise rebuild (25-30 s) each time the other had
+    started. The directory's name is keyed by the source's content, so the copy is always the
+    same (and by the installation, whose paths the command names too: `_installation`)."""
     from torch.utils import cpp_extension
 
     where.mkdir(parents=True, exist_ok=True)

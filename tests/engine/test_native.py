@@ -57,6 +57,9 @@ def test_a_new_source_or_new_flags_make_a_new_build(tmp_path, monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-DSEQGATE_TEST"))
     assert native.build_key() != key
+    monkeypatch.undo()  # another virtual environment: its headers' paths are in the command
+    monkeypatch.setattr(native, "_installation", lambda: ("/other/venv/torch", "/other/include"))
+    assert native.build_key() != key
 
 
 @needs_kernel
