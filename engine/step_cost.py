@@ -85,6 +85,8 @@ class StepCost:
             coef = np.array([a, 0.0, c])
         if coef[2] <= 0:
             return None  # prompt work looks free: noise, no basis for a cap
+        if coef[0] + coef[1] * mean[0] <= 0:
+            return None  # the steps decoding rows look free: no basis for a cap either
         return coef
 
     def decode_seconds(self, rows: int) -> float:
