@@ -3,13 +3,15 @@
 // PyTorch's CPU flash-attention kernel is built for long query blocks; with one query per row
 // (grouped-query heads stacked, 3 per KV head for SmolLM2) it reads the KV at ~8 GB/s and took
 // 29-40% of a decode step's CPU time at 32 rows. This kernel runs one task per (row, KV head):
-// the group's query heads dot every attended key, sixteen keys at a time (bf16 pairs into fp32
-// with AVX512-BF16, else converted to fp32), a two-pass softmax in fp32 with a vectorised exp,
-// then the values weighted and summed in fp32 and rounded once to bf16. Like PyTorch's kernel,
-// the weights are rounded to bf16 before they multiply the values (AVX512-BF16 only). Keys the
-// mask hides get weight 0: blocks of 16 hidden keys are skipped, partly hidden blocks compute
-// and discard their scores, and a hidden value row may still be read beside a shown one (so,
-// as for SDPA, padding must hold finite values). Head dim 64 with 1-4 query heads per KV head
+// the group's query heads dot every attended key, sixteen keys at a time (each key loaded once
+// for all of them; bf16 pairs into fp32 with AVX512-BF16, else converted to fp32), a two-pass
+// softmax in fp32 with a vectorised exp, then the values weighted and summed in fp32 and rounded
+// once to bf16. Like PyTorch's kernel, the weights are rounded to bf16 before they multiply the
+// values (AVX512-BF16 only; rounded 32 at a time before the values pass). Keys the mask hides
+// get weight 0: blocks of 16 hidden keys are skipped, partly hidden blocks compute and discard
+// their scores; the values pass starts at the first shown key (left padding is skipped) and
+// reads a hidden value row after it with weight 0 (so, as for SDPA, padding must hold finite
+// values). Head dim 64 with 1-4 query heads per KV head
 // is vectorised (`vectorised`); other shapes run a scalar path, which the engine leaves to
 // SDPA. Checked against PyTorch's SDPA in tests/engine/test_native.py.
 //
@@ -135,18 +137,25 @@ inline void load_query(const float* qf, Query64& q) {
   q[0] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qf + 16), _mm512_loadu_ps(qf));
   q[1] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qf + 48), _mm512_loadu_ps(qf + 32));
 }
-inline __m512 dot_parts(const uint16_t* kr, const Query64& q) {
-  const __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(kr), q[0]);
-  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(kr + 32), q[1]);
+struct KeyRow64 { __m512bh half[2]; };
+inline KeyRow64 load_key(const uint16_t* kr) {
+  return {{(__m512bh)_mm512_loadu_si512(kr), (__m512bh)_mm512_loadu_si512(kr + 32)}};
+}
+inline __m512 dot_parts(const KeyRow64& k, const Query64& q) {
+  return _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), k.half[0], q[0]), k.half[1], q[1]);
 }
 #else
 using Query64 = __m512[4];
 inline void load_query(const float* qf, Query64& q) {
   for (int i = 0; i < 4; ++i) q[i] = _mm512_loadu_ps(qf + 16 * i);
 }
-inline __m512 dot_parts(const uint16_t* kr, const Query64& q) {
-  __m512 acc = _mm512_mul_ps(load_bf16x16(kr), q[0]);
-  for (int i = 1; i < 4; ++i) acc = _mm512_fmadd_ps(load_bf16x16(kr + 16 * i), q[i], acc);
+struct KeyRow64 { __m512 quarter[4]; };
+inline KeyRow64 load_key(const uint16_t* kr) {
+  return {{load_bf16x16(kr), load_bf16x16(kr + 16), load_bf16x16(kr + 32), load_bf16x16(kr + 48)}};
+}
+inline __m512 dot_parts(const KeyRow64& k, const Query64& q) {
+  __m512 acc = _mm512_mul_ps(k.quarter[0], q[0]);
+  for (int i = 1; i < 4; ++i) acc = _mm512_fmadd_ps(k.quarter[i], q[i], acc);
   return acc;
 }
 #endif
@@ -162,7 +171,7 @@ void scores_64(const Problem& pb, const uint16_t* kp, const bool* mr, const floa
   __m512 vmax[G];
   for (int g = 0; g < G; ++g) vmax[g] = hidden;
   int64_t c = 0;
-  __m512 parts[16];
+  __m512 parts[G][16];
   for (; c + 16 <= C; c += 16) {
     const __mmask16 shown = mr ? _mm_cmpneq_epi8_mask(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(mr + c)), _mm_setzero_si128())
@@ -171,9 +180,13 @@ void scores_64(const Problem& pb, const uint16_t* kp, const bool* mr, const floa
       for (int g = 0; g < G; ++g) _mm512_storeu_ps(s + g * C + c, hidden);
       continue;
     }
+    for (int i = 0; i < 16; ++i) {  // each key loaded once for the group's queries
+      const KeyRow64 key = load_key(kp + (c + i) * pb.k_col);
+      for (int g = 0; g < G; ++g) parts[g][i] = dot_parts(key, qv[g]);
+    }
     for (int g = 0; g < G; ++g) {
-      for (int i = 0; i < 16; ++i) parts[i] = dot_parts(kp + (c + i) * pb.k_col, qv[g]);
-      const __m512 sc = _mm512_mask_blend_ps(shown, hidden, _mm512_mul_ps(sum16(parts), scale));
+      const __m512 sc =
+          _mm512_mask_blend_ps(shown, hidden, _mm512_mul_ps(sum16(parts[g]), scale));
       _mm512_storeu_ps(s + g * C + c, sc);
       vmax[g] = _mm512_max_ps(vmax[g], sc);
     }
@@ -182,7 +195,8 @@ void scores_64(const Problem& pb, const uint16_t* kp, const bool* mr, const floa
   for (; c < C; ++c) {
     for (int g = 0; g < G; ++g) {
       float dot = kHidden;
-      if (!mr || mr[c]) dot = _mm512_reduce_add_ps(dot_parts(kp + c * pb.k_col, qv[g])) * pb.scale;
+      if (!mr || mr[c])
+        dot = _mm512_reduce_add_ps(dot_parts(load_key(kp + c * pb.k_col), qv[g])) * pb.scale;
       s[g * C + c] = dot;
       mx[g] = std::max(mx[g], dot);
     }
@@ -191,30 +205,49 @@ void scores_64(const Problem& pb, const uint16_t* kp, const bool* mr, const floa
 
 template <int G>
 void weighted_values_64(const Problem& pb, const uint16_t* vp, const bool* mr, const float* s,
-                        const float* inv, uint16_t* out) {
+                        const float* inv, uint16_t* out, uint16_t* wb) {
   const int64_t C = pb.columns;
   alignas(64) float tmp[64];
 #if defined(__AVX512BF16__)
   // Two keys at a time: their value rows interleaved as bf16 pairs, each pair dotted with the
   // two keys' weights (rounded to bf16, as the kernels PyTorch ships do). Accumulator lanes
   // hold dims in unpack order; put back in order at the end.
+  //
+  // The weights are rounded once, 32 at a time, into `wb` (a group's row every `C + 2`), where
+  // columns (c, c + 1) for an even c are one 32-bit pair to broadcast; a zero follows the last
+  // column. Columns before the first one shown are skipped (left padding); a hidden column
+  // after it has weight 0.
+  const int64_t W = C + 2;
+  for (int g = 0; g < G; ++g) {
+    const float* sg = s + g * C;
+    uint16_t* wg = wb + g * W;
+    int64_t c = 0;
+    for (; c + 32 <= C; c += 32)
+      _mm512_storeu_si512(wg + c, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sg + c + 16),
+                                                              _mm512_loadu_ps(sg + c)));
+    const int64_t left = C - c;  // 0-31 columns, then the zero
+    const __mmask16 lo = static_cast<__mmask16>(left >= 16 ? 0xffff : (1u << left) - 1);
+    const __mmask16 hi = static_cast<__mmask16>(left <= 16 ? 0 : (1u << (left - 16)) - 1);
+    const __m512bh rest = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, sg + c + 16),
+                                              _mm512_maskz_loadu_ps(lo, sg + c));
+    _mm512_mask_storeu_epi16(wg + c, static_cast<__mmask32>((1ull << (left + 1)) - 1),
+                             (__m512i)rest);
+  }
+  int64_t first = 0;
+  if (mr) {
+    while (first + 64 <= C && !_mm512_test_epi8_mask(
+               _mm512_loadu_si512(mr + first), _mm512_set1_epi8(1)))
+      first += 64;
+    while (first < C && !mr[first]) ++first;
+  }
   __m512 acc[4 * G];
   for (int i = 0; i < 4 * G; ++i) acc[i] = _mm512_setzero_ps();
   const __m512i zero = _mm512_setzero_si512();
-  for (int64_t c = 0; c < C; c += 2) {
-    const bool second = c + 1 < C;
-    float w0[G], w1[G];
-    bool any = false;
-    for (int g = 0; g < G; ++g) {
-      w0[g] = s[g * C + c];
-      w1[g] = second ? s[g * C + c + 1] : 0.f;
-      any |= (w0[g] != 0.f) | (w1[g] != 0.f);
-    }
-    if (!any) continue;  // hidden columns (weights exactly 0)
+  for (int64_t c = first & ~int64_t{1}; c < C; c += 2) {
     const uint16_t* r0 = vp + c * pb.v_col;
     const __m512i a0 = _mm512_loadu_si512(r0), a1 = _mm512_loadu_si512(r0 + 32);
     __m512i b0 = zero, b1 = zero;
-    if (second) {
+    if (c + 1 < C) {
       const uint16_t* r1 = r0 + pb.v_col;
       b0 = _mm512_loadu_si512(r1);
       b1 = _mm512_loadu_si512(r1 + 32);
@@ -224,10 +257,9 @@ void weighted_values_64(const Problem& pb, const uint16_t* vp, const bool* mr, c
     const __m512bh p2 = (__m512bh)_mm512_unpacklo_epi16(a1, b1);
     const __m512bh p3 = (__m512bh)_mm512_unpackhi_epi16(a1, b1);
     for (int g = 0; g < G; ++g) {
-      const __m128bh pair = _mm_cvtneps_pbh(_mm_setr_ps(w0[g], w1[g], 0.f, 0.f));
-      uint32_t bits;
-      std::memcpy(&bits, &pair, sizeof bits);
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(bits));
+      int32_t bits;
+      std::memcpy(&bits, wb + g * W + c, sizeof bits);
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(bits);
       acc[4 * g] = _mm512_dpbf16_ps(acc[4 * g], p0, w);
       acc[4 * g + 1] = _mm512_dpbf16_ps(acc[4 * g + 1], p1, w);
       acc[4 * g + 2] = _mm512_dpbf16_ps(acc[4 * g + 2], p2, w);
@@ -316,7 +348,8 @@ void softmax(const Problem& pb, float* s, const float* mx, float* inv) {
 }
 
 template <int G>
-void run_task(const Problem& pb, int64_t task, std::vector<float>& s, std::vector<float>& qf) {
+void run_task(const Problem& pb, int64_t task, std::vector<float>& s, std::vector<float>& qf,
+              std::vector<uint16_t>& wb) {
   const int64_t r = task / pb.kv_heads, h = task % pb.kv_heads;
   const int64_t groups = G > 0 ? G : pb.groups, D = pb.dim;
   const uint16_t* kp = pb.k + r * pb.k_row + h * pb.k_head;
@@ -333,7 +366,7 @@ void run_task(const Problem& pb, int64_t task, std::vector<float>& s, std::vecto
   if constexpr (G > 0) {
     scores_64<G>(pb, kp, mr, qf.data(), s.data(), mx);
     softmax(pb, s.data(), mx, inv);
-    weighted_values_64<G>(pb, vp, mr, s.data(), inv, out);
+    weighted_values_64<G>(pb, vp, mr, s.data(), inv, out, wb.data());
     return;
   }
 #endif
@@ -346,7 +379,8 @@ template <int G>
 void run_all(const Problem& pb) {
   at::parallel_for(0, pb.rows * pb.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(pb.groups * pb.columns), qf(pb.groups * pb.dim);
-    for (int64_t t = begin; t < end; ++t) run_task<G>(pb, t, s, qf);
+    std::vector<uint16_t> wb(pb.groups * (pb.columns + 2));
+    for (int64_t t = begin; t < end; ++t) run_task<G>(pb, t, s, qf, wb);
   });
 }
 
