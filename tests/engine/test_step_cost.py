@@ -195,7 +195,7 @@ def test_the_engine_learns_costs_only_when_asked(tiny_model, make_engine):
     on.run_until_idle()
     assert all(h.job_id for h in rows + [long])
     unregrouped = [s for s in steps if not s.regrouped]
-    assert [(r, s) for r, _, s in seen] == [(s.decode_rows, s.seconds) for s in unregrouped]
+    assert [(r, t) for r, _, t in seen] == [(st.decode_rows, st.seconds) for st in unregrouped]
     assert all(t > 0 for *_, t in seen) and sum(r > 0 for r, *_ in seen) > 30
     mixed = [u for r, u, _ in seen if r and u]
     # The 300-token prompt went in chunks beside the four decoding rows, every one of them seen.
