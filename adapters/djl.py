@@ -14,12 +14,11 @@ from msgspec import UNSET, Struct, UnsetType
 
 from adapters.errors import DJL_NAMES, ApiError, from_engine_error
 from adapters.limits import MAX_PROMPTS
-from adapters.openai_params import JobSpec, check_token_limit, stop_list
+from adapters.openai_params import JobSpec, check_token_limit, stop_list, validated
 from adapters.openai_types import convert, decode_request
 from adapters.prompt_size import encode_bounded
 from adapters.token_text import TokenText
 from engine import InvalidParams, JobDelta, SamplingParams, check_context
-from engine.config import STRATEGIES
 
 log = logging.getLogger("seqgate.adapters.djl")
 
@@ -98,10 +97,7 @@ def decode_djl(body: bytes) -> tuple[DjlRequest, DjlOptions]:
 
 
 def djl_params(opts: DjlOptions) -> SamplingParams:
-    strategy = opts.decoding_strategy
-    if strategy is not None and strategy not in STRATEGIES:
-        raise ApiError.bad_request(f"decoding_strategy must be one of {', '.join(STRATEGIES)}",
-                                   param="parameters.decoding_strategy")
+    strategy = opts.decoding_strategy  # SamplingParams.validate checks it
     if strategy is None and opts.do_sample is not None:
         strategy = "sample" if opts.do_sample else "greedy"
     params = SamplingParams(
@@ -118,13 +114,7 @@ def djl_params(opts: DjlOptions) -> SamplingParams:
         # DJL reports every token's log_prob.
         logprobs=True,
     )
-    if opts.penalty_alpha is not None:
-        params.penalty_alpha = opts.penalty_alpha
-    try:
-        params.validate()
-    except InvalidParams as exc:
-        raise from_engine_error(exc, DJL_NAMES) from None
-    return params
+    return validated(params, opts.penalty_alpha, DJL_NAMES)
 
 
 def build_djl_jobs(req: DjlRequest, opts: DjlOptions, tokenizer, max_model_len: int,

@@ -1,4 +1,5 @@
-"""Errors in OpenAI's envelope: `{"error": {"message", "type", "param", "code"}}`.
+"""Errors in OpenAI's envelope: `{"error": {"message", "type", "param", "code"}}`, and the one
+place where engine outcomes and the gateway's refusals become HTTP errors.
 
 `code` is always a string: the openai SDK and LangChain surface only what is in the envelope, and
 LangChain recognises a context overflow only by the text `context_length_exceeded` or "maximum
@@ -16,6 +17,7 @@ from engine import (
     EngineStopped,
     EngineUnavailable,
     InvalidParams,
+    JobDelta,
     QueueFull,
 )
 
@@ -36,6 +38,7 @@ _TYPES = {
 # Seconds a client should wait before retrying a refused request.
 QUEUE_FULL_RETRY_AFTER = 1
 DRAINING_RETRY_AFTER = 5
+LOADING_RETRY_AFTER = DRAINING_RETRY_AFTER
 
 
 @dataclass
@@ -88,6 +91,10 @@ class ParamNames:
     def __call__(self, engine_name: str) -> str:
         return self.renamed.get(engine_name) or self.prefix + engine_name
 
+    def renaming(self, **renamed: str) -> ParamNames:
+        """These names, with `renamed` on top (a request that used an alternative field)."""
+        return ParamNames({**self.renamed, **renamed}, self.prefix)
+
 
 _OPENAI_TOKENS = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 CHAT_NAMES = ParamNames({**_OPENAI_TOKENS, "prompt": "messages"})
@@ -112,6 +119,49 @@ def from_engine_error(exc: Exception, names: ParamNames) -> ApiError:
         return ApiError(503, f"The engine is unavailable: {exc}.", "service_unavailable",
                         headers={"Retry-After": "1"})
     return ApiError(500, f"Internal error: {type(exc).__name__}: {exc}", "internal_error")
+
+
+def job_outcome_error(delta: JobDelta) -> ApiError | None:
+    """The error a job's last delta means, if any: a generation error, or an abort the client
+    did not ask for (the engine was stopped)."""
+    if delta.finish_reason == "error":
+        return generation_error(delta.error, delta.error_cause)
+    if delta.finish_reason == "abort":
+        return ApiError(503, "The job was cancelled: the server is shutting down.",
+                        "service_unavailable")
+    return None
+
+
+def missing_api_key() -> ApiError:
+    return ApiError(401, "Missing API key: send it as 'Authorization: Bearer <key>'.",
+                    "invalid_api_key")
+
+
+def invalid_api_key() -> ApiError:
+    return ApiError(401, "Incorrect API key provided.", "invalid_api_key")
+
+
+def too_many_for_key(limit: int) -> ApiError:
+    return ApiError(429, f"Too many concurrent requests for this API key (at most {limit} at a "
+                    "time, --max-concurrent-per-key); retry when one has finished.",
+                    "rate_limit_exceeded", headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER)})
+
+
+def model_load_failed() -> ApiError:
+    return ApiError(503, "The model failed to load; the server is exiting.",
+                    "service_unavailable")
+
+
+def model_loading() -> ApiError:
+    return ApiError(503, "The model is still loading; retry shortly.", "service_unavailable",
+                    headers={"Retry-After": str(LOADING_RETRY_AFTER)})
+
+
+def prompt_too_long(max_model_len: int, found: str, param: str) -> ApiError:
+    """A prompt refused before tokenizing it whole (adapters/prompt_size.py)."""
+    return ApiError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                    f"However, your prompt is {found}. Please reduce the prompt. "
+                    "(context_length_exceeded)", "context_length_exceeded", param)
 
 
 def draining_error() -> ApiError:

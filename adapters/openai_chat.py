@@ -33,7 +33,12 @@ from adapters.openai_types import (
     Usage,
 )
 from adapters.prompt_size import encode_bounded
-from adapters.structured import compile_grammar, guided_grammar, response_schema
+from adapters.structured import (
+    compile_grammar,
+    compile_requested,
+    guided_grammar,
+    response_schema,
+)
 from adapters.token_text import TokenText
 from adapters.tools import (
     ToolPlan,
@@ -47,7 +52,7 @@ from adapters.tools import (
 )
 from adapters.usage import UsageCounter
 from engine import JobDelta, TokenLogprob
-from engine.grammar import CompiledGrammar, Grammar, GrammarCompiler
+from engine.sample.grammar import CompiledGrammar, Grammar, GrammarCompiler
 
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
@@ -213,11 +218,7 @@ def chat_grammar(req: ChatCompletionRequest, plan: ToolPlan | None,
         grammar = Grammar.lark(tool_grammar(plan, schema)), plan.param
     elif schema is not None:
         grammar = Grammar.json_schema(schema), "response_format"
-    if grammar is None:
-        return None
-    if grammars is None:
-        raise RuntimeError("a grammar compiler is needed for structured outputs")
-    return compile_grammar(grammars, *grammar)
+    return compile_requested(grammars, grammar)
 
 
 def build_chat_job(req: ChatCompletionRequest, tokenizer, max_model_len: int,
@@ -239,12 +240,12 @@ def build_chat_job(req: ChatCompletionRequest, tokenizer, max_model_len: int,
     prompt_ids = render_prompt(tokenizer, messages, max_model_len, template_tools)
     # ChatOpenAI sends max_completion_tokens, older clients max_tokens; the newer name wins.
     if req.max_completion_tokens is not None:
-        requested, param = req.max_completion_tokens, "max_completion_tokens"
+        requested = req.max_completion_tokens
+        names = CHAT_NAMES.renaming(max_new_tokens="max_completion_tokens")
     else:
-        requested, param = req.max_tokens, "max_tokens"
-    budget = max_tokens_for(requested, len(prompt_ids), max_model_len, param, CHAT_NAMES,
-                            max_tokens_limit)
-    params = sampling_params(req, CHAT_NAMES, max_tokens=budget, logprobs=bool(req.logprobs),
+        requested, names = req.max_tokens, CHAT_NAMES
+    budget = max_tokens_for(requested, len(prompt_ids), max_model_len, names, max_tokens_limit)
+    params = sampling_params(req, names, max_tokens=budget, logprobs=bool(req.logprobs),
                              top_logprobs=req.top_logprobs or 0)
     params.grammar = grammar
     return JobSpec(prompt_ids, params, plan if plan is not None and plan.calls_allowed else None)

@@ -21,11 +21,15 @@ from adapters.openai_types import (
     CompletionResponse,
 )
 from adapters.prompt_size import encode_bounded
-from adapters.structured import compile_grammar, guided_grammar, response_schema
+from adapters.structured import (
+    compile_requested,
+    guided_grammar,
+    response_schema,
+)
 from adapters.token_text import TokenText
 from adapters.usage import UsageCounter
 from engine import JobDelta
-from engine.grammar import CompiledGrammar, Grammar, GrammarCompiler
+from engine.sample.grammar import CompiledGrammar, Grammar, GrammarCompiler
 
 # OpenAI's own default for this endpoint (chat has none).
 DEFAULT_MAX_TOKENS = 16
@@ -102,11 +106,7 @@ def completion_grammar(req: CompletionRequest,
                                    param=guided[1])
     grammar = guided or ((Grammar.json_schema(schema), "response_format")
                          if schema is not None else None)
-    if grammar is None:
-        return None
-    if grammars is None:
-        raise RuntimeError("a grammar compiler is needed for structured outputs")
-    return compile_grammar(grammars, *grammar)
+    return compile_requested(grammars, grammar)
 
 
 def build_completion_jobs(req: CompletionRequest, tokenizer, max_model_len: int,
@@ -123,8 +123,8 @@ def build_completion_jobs(req: CompletionRequest, tokenizer, max_model_len: int,
     requested = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     jobs = []
     for p in prompts:
-        budget = max_tokens_for(requested, len(p.ids), max_model_len, "max_tokens",
-                                COMPLETION_NAMES, max_tokens_limit)
+        budget = max_tokens_for(requested, len(p.ids), max_model_len, COMPLETION_NAMES,
+                                max_tokens_limit)
         params = sampling_params(req, COMPLETION_NAMES, max_tokens=budget,
                                  logprobs=req.logprobs is not None,
                                  top_logprobs=req.logprobs or 0)

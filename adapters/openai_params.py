@@ -14,8 +14,6 @@ from adapters.errors import ApiError, ParamNames, from_engine_error
 from adapters.openai_types import SamplingFields
 from adapters.tools import ToolPlan
 from engine import InvalidParams, SamplingParams, check_context
-from engine.config import STRATEGIES
-from engine.sampling_params import MAX_LOGIT_BIAS
 
 
 @dataclass
@@ -61,20 +59,14 @@ def strategy_for(req: SamplingFields) -> str | None:
     server's `option.decoding_strategy`. An explicit `decoding_strategy` wins over both.
     """
     if req.decoding_strategy is not None:
-        if req.decoding_strategy not in STRATEGIES:
-            raise ApiError.bad_request(
-                f"decoding_strategy must be one of {', '.join(STRATEGIES)}, "
-                f"got {req.decoding_strategy!r}", param="decoding_strategy")
-        return req.decoding_strategy
+        return req.decoding_strategy  # SamplingParams.validate checks it
     if req.temperature is not None or req.top_p is not None:
         return "greedy" if req.temperature == 0 else "sample"
     return None
 
 
 def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float]:
-    if bias and len(bias) > MAX_LOGIT_BIAS:
-        raise ApiError.bad_request(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got "
-                                   f"{len(bias)}", param="logit_bias")
+    """OpenAI's string keys as token ids (their number and range: SamplingParams.validate)."""
     out: dict[int, float] = {}
     for key, value in (bias or {}).items():
         try:
@@ -113,8 +105,15 @@ def sampling_params(req: SamplingFields, names: ParamNames, *, max_tokens: int,
         skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
         priority=req.priority or 0,
     )
-    if req.penalty_alpha is not None:
-        params.penalty_alpha = req.penalty_alpha
+    return validated(params, req.penalty_alpha, names)
+
+
+def validated(params: SamplingParams, penalty_alpha: float | None,
+              names: ParamNames) -> SamplingParams:
+    """`params` (with the request's contrastive `penalty_alpha`, if it gave one) checked by
+    their owner, SamplingParams.validate; a 400 naming the parameter as the protocol does."""
+    if penalty_alpha is not None:
+        params.penalty_alpha = penalty_alpha
     try:
         params.validate()
     except InvalidParams as exc:
@@ -123,16 +122,15 @@ def sampling_params(req: SamplingFields, names: ParamNames, *, max_tokens: int,
 
 
 def max_tokens_for(requested: int | None, prompt_len: int, max_model_len: int,
-                   param: str, names: ParamNames, limit: int = 0) -> int:
+                   names: ParamNames, limit: int = 0) -> int:
     """The completion budget: as asked, or (None) whatever the context has left, like vLLM;
-    never more than the server's `limit` (--max-tokens-limit; 0: none).
+    never more than the server's `limit` (--max-tokens-limit; 0: none). A budget under 1 is
+    refused by SamplingParams.validate.
 
     Raises ApiError(400) when the request asks for more than the limit, and
     ApiError(400, context_length_exceeded) when the prompt and budget do not fit.
     """
-    if requested is not None and requested < 1:
-        raise ApiError.bad_request(f"{param} must be >= 1, got {requested}", param=param)
-    check_token_limit(requested, limit, param)
+    check_token_limit(requested, limit, names("max_new_tokens"))
     budget = requested if requested is not None else max(max_model_len - prompt_len, 1)
     if limit:
         budget = min(budget, limit)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import weakref
 
-from adapters.errors import ApiError
+from adapters.errors import prompt_too_long
 
 NORMALIZER_SLACK = 4
 # The probe's head: this many characters per token of context. Ordinary text runs 3 to 6
@@ -55,12 +55,6 @@ def max_prompt_bytes(tokenizer, max_model_len: int) -> int:
     return max_model_len * _longest_token_bytes(tokenizer)
 
 
-def _too_long(max_model_len: int, found: str, param: str) -> ApiError:
-    return ApiError(400, f"This model's maximum context length is {max_model_len} tokens. "
-                    f"However, your prompt is {found}. Please reduce the prompt. "
-                    "(context_length_exceeded)", "context_length_exceeded", param)
-
-
 def encode_bounded(tokenizer, text: str, max_model_len: int, param: str,
                    add_special_tokens: bool = True) -> list[int]:
     """`tokenizer.encode(text)`, after the two checks above: raises 400 context_length_exceeded
@@ -72,8 +66,8 @@ def encode_bounded(tokenizer, text: str, max_model_len: int, param: str,
         end = cut if cut > 0 else probe
         head = tokenizer.encode(text[:end], add_special_tokens=False)
         if len(head) > max_model_len + PROBE_SLACK:
-            raise _too_long(max_model_len, f"more than {len(head)} tokens (counted in its first "
-                            f"{end} characters of {len(text)})", param)
+            raise prompt_too_long(max_model_len, f"more than {len(head)} tokens (counted in its "
+                                  f"first {end} characters of {len(text)})", param)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
@@ -84,5 +78,5 @@ def check_prompt_size(text: str, tokenizer, max_model_len: int, param: str) -> N
         return
     size = len(text.encode("utf-8"))
     if size > limit:
-        raise _too_long(max_model_len, f"{size} bytes, more than any prompt of {max_model_len} "
-                        f"tokens can be ({limit} bytes)", param)
+        raise prompt_too_long(max_model_len, f"{size} bytes, more than any prompt of "
+                              f"{max_model_len} tokens can be ({limit} bytes)", param)

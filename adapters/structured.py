@@ -11,7 +11,8 @@ import re
 from typing import Any
 
 from adapters.errors import ApiError
-from engine.grammar import CompiledGrammar, Grammar, GrammarCompiler, InvalidGrammar
+from engine.errors import InvalidGrammar
+from engine.sample.grammar import CompiledGrammar, Grammar, GrammarCompiler
 
 MAX_CHOICES = 256  # guided_choice options
 MAX_SCHEMA_DEPTH = 64  # nesting of a schema's JSON (a pydantic model nested 10 deep uses ~30)
@@ -128,3 +129,13 @@ def compile_grammar(compiler: GrammarCompiler, grammar: Grammar, param: str) -> 
     except InvalidGrammar as exc:
         raise ApiError.bad_request(f"{param} is not a valid grammar: {exc.reason}",
                                    param=param) from None
+
+
+def compile_requested(compiler: GrammarCompiler | None,
+                      grammar: tuple[Grammar, str] | None) -> CompiledGrammar | None:
+    """The request's grammar (and the parameter that carried it) compiled; None without one."""
+    if grammar is None:
+        return None
+    if compiler is None:
+        raise RuntimeError("a grammar compiler is needed for structured outputs")
+    return compile_grammar(compiler, *grammar)

@@ -35,7 +35,7 @@ from typing import Any
 from adapters.errors import ApiError
 from adapters.limits import MAX_TOOLS
 from adapters.structured import check_depth, closed
-from engine.grammar import JSON_STYLE
+from engine.sample.grammar import JSON_STYLE
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
-from adapters.errors import QUEUE_FULL_RETRY_AFTER, ApiError
+from adapters.errors import invalid_api_key, missing_api_key, too_many_for_key
 
 
 def key_matches(presented: str, keys: tuple[str, ...]) -> bool:
@@ -42,10 +42,9 @@ def require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
         return
     token = presented_key(connection)
     if token is None:
-        raise ApiError(401, "Missing API key: send it as 'Authorization: Bearer <key>'.",
-                       "invalid_api_key")
+        raise missing_api_key()
     if not key_matches(token, keys):
-        raise ApiError(401, "Incorrect API key provided.", "invalid_api_key")
+        raise invalid_api_key()
 
 
 class KeyLimiter:
@@ -69,10 +68,7 @@ class KeyLimiter:
         if not self.limit or not self.keys or key is None:
             return _nothing
         if self.open[key] >= self.limit:
-            raise ApiError(429, f"Too many concurrent requests for this API key (at most "
-                           f"{self.limit} at a time, --max-concurrent-per-key); retry when one "
-                           f"has finished.", "rate_limit_exceeded",
-                           headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER)})
+            raise too_many_for_key(self.limit)
         self.open[key] += 1
         released = False
 

@@ -25,10 +25,10 @@ from app.exception_handlers import EXCEPTION_HANDLERS, watch_client
 from app.lifespan import GatewayState, engine_lifespan
 from app.settings import Settings
 from app.version import __version__
-from engine import Engine
+from engine import EngineClient
 
 
-def create_app(settings: Settings | None = None, engine: Engine | None = None) -> Litestar:
+def create_app(settings: Settings | None = None, engine: EngineClient | None = None) -> Litestar:
     """Build the app. Without `engine`, the lifespan loads the configured model at start-up."""
     settings = settings or Settings()
     gateway = GatewayState(settings)

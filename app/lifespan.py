@@ -31,15 +31,19 @@ from typing import Any, TypeVar
 from litestar import Litestar
 from litestar.di import NamedDependency
 
-from adapters.errors import DRAINING_RETRY_AFTER, ApiError, draining_error
+from adapters.errors import (
+    draining_error,
+    model_load_failed,
+    model_loading,
+)
 from adapters.token_text import TokenText
 from app.auth import KeyLimiter
 from app.metrics import GatewayMetrics
 from app.settings import Settings
 from app.version import __version__
-from engine import Engine, EngineConfig, SamplingParams
-from engine.grammar import Grammar
-from engine.host_memory import freeze_startup_objects
+from engine import Engine, EngineClient, EngineConfig, SamplingParams
+from engine.kv.host_memory import freeze_startup_objects
+from engine.sample.grammar import Grammar
 
 log = logging.getLogger("seqgate.app")
 
@@ -55,7 +59,7 @@ class GatewayState:
     """What the controllers need: settings, the engine once loaded, metrics, readiness."""
 
     settings: Settings
-    engine: Engine | None = None
+    engine: EngineClient | None = None
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     owns_engine: bool = False
     ready: bool = False  # the model has answered; /health is 200
@@ -65,7 +69,7 @@ class GatewayState:
     # Set once start-up has settled: ready, or failed (load_error).
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     # How the lifespan builds the engine from the settings (tests hold the load on a gate).
-    build_engine: Callable[[EngineConfig], Engine] = Engine
+    build_engine: Callable[[EngineConfig], EngineClient] = Engine
     # With engine replicas (app/replicas): each live replica's last report, by replica id.
     replica_report: Callable[[], dict[str, dict]] | None = None
     _prep_pool: ThreadPoolExecutor | None = None
@@ -106,7 +110,7 @@ class GatewayState:
             return "no_replicas"
         return "ok" if self.ready else "loading"
 
-    def require_ready(self) -> Engine:
+    def require_ready(self) -> EngineClient:
         """The engine, or the 503 that says why there is none to use right now. While Ray
         restarts replicas, jobs wait in its router for one to come back."""
         status = self.status
@@ -115,10 +119,8 @@ class GatewayState:
         if status == "draining":
             raise draining_error()
         if status == "failed":
-            raise ApiError(503, "The model failed to load; the server is exiting.",
-                           "service_unavailable")
-        raise ApiError(503, "The model is still loading; retry shortly.", "service_unavailable",
-                       headers={"Retry-After": str(LOADING_RETRY_AFTER)})
+            raise model_load_failed()
+        raise model_loading()
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run request preparation (JSON decoding, chat templates, tokenization) on a small pool
@@ -135,13 +137,12 @@ class GatewayState:
             self._prep_pool.shutdown(wait=False, cancel_futures=True)
             self._prep_pool = None
 
-    def use_engine(self, engine: Engine) -> None:
+    def use_engine(self, engine: EngineClient) -> None:
         self.engine = engine
         self.token_text = TokenText(engine.tokenizer)
         self.metrics.attach(engine)
 
 
-LOADING_RETRY_AFTER = DRAINING_RETRY_AFTER
 
 def _lower_priority() -> None:
     """Nice a preparation thread: tokenizing a large body runs on a core the engine's threads
@@ -169,7 +170,7 @@ def _log_device_choice(settings: Settings) -> None:
                         "the CPU (supported, but slower than fp32 on many CPUs)")
 
 
-async def _warm_up(engine: Engine) -> None:
+async def _warm_up(engine: EngineClient) -> None:
     """One token through the whole path, under a grammar: the grammar compiler's view of the
     tokenizer is built here (0.3 s for SmolLM2, holding the GIL), not on the first request that
     carries a schema while streams are running."""
@@ -181,11 +182,11 @@ async def _warm_up(engine: Engine) -> None:
         pass
 
 
-async def _load_in_thread(state: GatewayState) -> Engine:
+async def _load_in_thread(state: GatewayState) -> EngineClient:
     """Build the engine in a daemon thread: a shutdown during a long load need not wait for it."""
     settings = state.settings
     loop = asyncio.get_running_loop()
-    done: asyncio.Future[Engine] = loop.create_future()
+    done: asyncio.Future[EngineClient] = loop.create_future()
 
     def settle(fn, value) -> None:
         if not done.done():

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine import Engine, StepStats
+from engine import EngineClient, StepStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -22,7 +22,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class _EngineCollector(Collector):
     """Reads the engine's counters and gauges when Prometheus scrapes."""
 
-    def __init__(self, get_engine: Callable[[], Engine | None]):
+    def __init__(self, get_engine: Callable[[], EngineClient | None]):
         self._get_engine = get_engine
 
     def collect(self):
@@ -79,7 +79,7 @@ class GatewayMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self._engine: Engine | None = None
+        self._engine: EngineClient | None = None
         self.registry.register(_EngineCollector(lambda: self._engine))
         self.requests = Counter("seqgate_http_requests", "HTTP responses by route and status "
                                 "(a stream counts its status when it starts)",
@@ -111,7 +111,7 @@ class GatewayMetrics:
                                                                              1, 2.5),
                               registry=self.registry)
 
-    def attach(self, engine: Engine) -> None:
+    def attach(self, engine: EngineClient) -> None:
         self._engine = engine
         engine.add_step_listener(self.on_step)
 

@@ -9,7 +9,6 @@ remembers where it came from, so an invalid one is reported under the name the u
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -18,6 +17,7 @@ from typing import Any
 
 from app.properties import Property, read_properties
 from engine import ConfigError, EngineConfig
+from engine.config import DECODE_ATTENTION, DTYPES, POLICIES, QUANTIZE_MODES, STRATEGIES
 
 log = logging.getLogger("seqgate.settings")
 
@@ -136,11 +136,11 @@ def _float(lo: float, hi: float | None = None) -> Callable[[str], float]:
     return parse
 
 
-def _stall_ratio(v: str) -> float:
-    x = _float(0.0)(v)
-    if x and x <= 1.0:
-        raise ValueError("a number > 1, or 0 to turn it off")
-    return x
+def _number(v: str) -> float:
+    try:
+        return float(v)
+    except ValueError:
+        raise ValueError("a number") from None
 
 
 def _choice(*choices: str, aliases: Mapping[str, str] | None = None) -> Callable[[str], str]:
@@ -167,7 +167,7 @@ def _tp_degree(v: str) -> int:
     if v.strip().lower() == "max":  # DJL: every GPU; seqgate does not choose a degree for you
         log.warning("option.tensor_parallel_degree=max: set a number of ranks; using 1")
         return 1
-    return _int(1)(v)
+    return _int()(v)
 
 
 _DTYPE_ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32",
@@ -195,53 +195,53 @@ OPTIONS: tuple[Option, ...] = (
     Option("model_id", "engine", _text, ("option.model_id", "option.model_dir"), "--model",
            "hub id, local directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)"),
     Option("revision", "engine", _text, ("option.revision",), "--revision"),
-    Option("dtype", "engine", _choice("auto", "fp32", "fp16", "bf16", aliases=_DTYPE_ALIASES),
+    Option("dtype", "engine", _choice(*DTYPES, aliases=_DTYPE_ALIASES),
            ("option.dtype",), "--dtype", "auto | fp32 | fp16 | bf16"),
     Option("device", "engine", lambda v: v.strip().lower(), ("option.device",), "--device",
            "auto | cpu | cuda | cuda:N"),
     Option("trust_remote_code", "engine", _bool, ("option.trust_remote_code",),
            "--trust-remote-code"),
     Option("cache_dir", "engine", _text, ("option.cache_dir",), "--cache-dir"),
-    Option("max_rolling_batch_size", "engine", _int(1), ("option.max_rolling_batch_size",),
+    Option("max_rolling_batch_size", "engine", _int(), ("option.max_rolling_batch_size",),
            "--max-rolling-batch-size"),
-    Option("job_queue_size", "engine", _int(0), ("job_queue_size",), "--job-queue-size"),
-    Option("max_sparsity", "engine", _float(0.0, 1.0), ("option.max_sparsity",),
+    Option("job_queue_size", "engine", _int(), ("job_queue_size",), "--job-queue-size"),
+    Option("max_sparsity", "engine", _number, ("option.max_sparsity",),
            "--max-sparsity"),
-    Option("max_splits", "engine", _int(1), ("option.max_splits",), "--max-splits"),
-    Option("decoding_strategy", "engine", _choice("greedy", "sample", "contrastive"),
+    Option("max_splits", "engine", _int(), ("option.max_splits",), "--max-splits"),
+    Option("decoding_strategy", "engine", _choice(*STRATEGIES),
            ("option.decoding_strategy",), "--decoding-strategy", "greedy | sample | contrastive"),
-    Option("scheduling_policy", "engine", _choice("fifo", "priority", "shortest"),
+    Option("scheduling_policy", "engine", _choice(*POLICIES),
            ("option.scheduling_policy",), "--scheduling-policy",
            "admission order: fifo | priority (the request's priority, lower first) | shortest "
            "(prompt first); a job waiting --scheduling-age-limit seconds goes first"),
-    Option("scheduling_age_limit", "engine", _float(0.001), ("option.scheduling_age_limit",),
+    Option("scheduling_age_limit", "engine", _number, ("option.scheduling_age_limit",),
            "--scheduling-age-limit"),
-    Option("prompt_cache_bytes", "engine", _int(0), ("option.prompt_cache_bytes",),
+    Option("prompt_cache_bytes", "engine", _int(), ("option.prompt_cache_bytes",),
            "--prompt-cache-bytes"),
     Option("fuse_sub_batches", "engine", _bool, ("option.fuse_sub_batches",),
            "--fuse-sub-batches",
            "one forward for all sub-batches, attention split per sub-batch (true | false)"),
-    Option("max_num_batched_tokens", "engine", _int(0), ("option.max_num_batched_tokens",),
+    Option("max_num_batched_tokens", "engine", _int(), ("option.max_num_batched_tokens",),
            "--max-num-batched-tokens",
            "tokens per engine step: every running row's next token, then prompt chunks "
            "(0: 256, or twice max_rolling_batch_size when larger)"),
-    Option("stall_ratio", "engine", _stall_ratio, ("option.stall_ratio",), "--stall-ratio",
+    Option("stall_ratio", "engine", _number, ("option.stall_ratio",), "--stall-ratio",
            "while rows decode, a step's prompt chunks keep it within this many times a "
            "decode-only step (costs learnt as it runs; default 2.5; 0: the token budget alone)"),
-    Option("chunk_attention_tokens", "engine", _int(0), ("option.chunk_attention_tokens",),
+    Option("chunk_attention_tokens", "engine", _int(), ("option.chunk_attention_tokens",),
            "--chunk-attention-tokens",
            "context tokens whose attention a prompt chunk is charged one token for "
            "(0: derived from the model)"),
-    Option("decode_attention", "engine", _choice("auto", "sdpa"), ("option.decode_attention",),
+    Option("decode_attention", "engine", _choice(*DECODE_ATTENTION), ("option.decode_attention",),
            "--decode-attention",
            "one-query attention on bf16 CPU models: auto (seqgate's kernel, compiled for this "
            "CPU on first use, where it builds) | sdpa (PyTorch's)"),
-    Option("quantize", "engine", _choice("none", "int8", "int4"), ("option.quantize",),
+    Option("quantize", "engine", _choice(*QUANTIZE_MODES), ("option.quantize",),
            "--quantize",
            "weight-only quantisation for decoding on the CPU: none | int8 | int4"),
-    Option("num_threads", "engine", _int(0), ("option.num_threads",), "--num-threads",
+    Option("num_threads", "engine", _int(), ("option.num_threads",), "--num-threads",
            "torch intra-op threads for the engine (0: chosen from the cores available)"),
-    Option("max_model_len", "engine", _int(0), ("option.max_model_len",), "--max-model-len"),
+    Option("max_model_len", "engine", _int(), ("option.max_model_len",), "--max-model-len"),
     Option("tensor_parallel_degree", "engine", _tp_degree, ("option.tensor_parallel_degree",),
            "--tensor-parallel-degree",
            "processes the model is split over (transformers' tensor-parallel plan; gloo on the "
@@ -429,8 +429,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 help=opt.help or None)
         else:
             parser.add_argument(opt.flag, dest=opt.name, default=None, help=opt.help or None)
-
-
-def replace_server(settings: Settings, **changes: Any) -> Settings:
-    """A copy of `settings` with some server fields changed (tests, the CLI)."""
-    return dataclasses.replace(settings, server=dataclasses.replace(settings.server, **changes))

@@ -28,13 +28,13 @@ from adapters.errors import (
     ApiError,
     ParamNames,
     from_engine_error,
-    generation_error,
+    job_outcome_error,
     request_timeout_error,
 )
 from adapters.openai_params import JobSpec
 from app.lifespan import GatewayState
 from app.metrics import GatewayMetrics
-from engine import Engine, JobDelta, JobHandle
+from engine import EngineClient, JobDelta, SubmittedJob
 
 log = logging.getLogger("seqgate.app.streaming")
 
@@ -42,9 +42,9 @@ _DONE = object()
 P = TypeVar("P")
 
 
-def submit_all(engine: Engine, specs: list[JobSpec], names: ParamNames) -> list[JobHandle]:
+def submit_all(engine: EngineClient, specs: list[JobSpec], names: ParamNames) -> list[SubmittedJob]:
     """Submit every job or none: if one is refused, the ones already queued are aborted."""
-    handles: list[JobHandle] = []
+    handles: list[SubmittedJob] = []
     try:
         for spec in specs:
             handles.append(engine.submit(spec.prompt_ids, spec.params))
@@ -53,7 +53,7 @@ def submit_all(engine: Engine, specs: list[JobSpec], names: ParamNames) -> list[
     return handles
 
 
-async def admit_all(engine: Engine, handles: list[JobHandle], names: ParamNames) -> None:
+async def admit_all(engine: EngineClient, handles: list[SubmittedJob], names: ParamNames) -> None:
     """Wait until every job is queued (at once here; a replica answers remotely); if one is
     refused, the others are aborted and the refusal is the request's error (429 queue full)."""
     try:
@@ -63,7 +63,7 @@ async def admit_all(engine: Engine, handles: list[JobHandle], names: ParamNames)
         raise _refused(engine, handles, exc, names) from None
 
 
-def _refused(engine: Engine, handles: list[JobHandle], exc: Exception,
+def _refused(engine: EngineClient, handles: list[SubmittedJob], exc: Exception,
              names: ParamNames) -> ApiError:
     """Abort the request's jobs and return the API error its refusal means."""
     for h in handles:
@@ -75,7 +75,7 @@ def _refused(engine: Engine, handles: list[JobHandle], exc: Exception,
 
 
 async def open_request(gw: GatewayState, request: Request, route: str, names: ParamNames,
-                       prepare: Callable[[Engine, bytes], tuple[P, list[JobSpec]]],
+                       prepare: Callable[[EngineClient, bytes], tuple[P, list[JobSpec]]],
                        ) -> tuple[P, JobStream]:
     """Admit a request and start its jobs: readiness, the API key's open-request cap, the body,
     `prepare(engine, body)` off the event loop (decode, validate, tokenize: it returns what the
@@ -107,7 +107,7 @@ class JobStream:
     once, when it closes (the API key's open-request count is released there).
     """
 
-    def __init__(self, engine: Engine, handles: list[JobHandle], metrics: GatewayMetrics,
+    def __init__(self, engine: EngineClient, handles: list[SubmittedJob], metrics: GatewayMetrics,
                  started: float, route: str, timeout: float | None = None,
                  on_close: Callable[[], None] | None = None):
         self.engine, self.handles, self.metrics, self.started = engine, handles, metrics, started
@@ -123,7 +123,7 @@ class JobStream:
         self._on_close = on_close
         self._pumps = [asyncio.create_task(self._pump(i, h)) for i, h in enumerate(handles)]
 
-    async def _pump(self, i: int, handle: JobHandle) -> None:
+    async def _pump(self, i: int, handle: SubmittedJob) -> None:
         # put_nowait: the queue is unbounded, and the finally must not await once cancelled.
         try:
             async for delta in handle:
@@ -198,15 +198,6 @@ class JobStream:
             self._on_close()
 
 
-def _failed(delta: JobDelta) -> ApiError | None:
-    if delta.finish_reason == "error":
-        return generation_error(delta.error, delta.error_cause)
-    if delta.finish_reason == "abort":  # not the client's doing: the engine was stopped
-        return ApiError(503, "The job was cancelled: the server is shutting down.",
-                        "service_unavailable")
-    return None
-
-
 async def collect(stream: JobStream, request: Request,
                   on_delta: Callable[[int, JobDelta], None]) -> None:
     """Feed every delta to `on_delta`; abort the jobs if the client disconnects meanwhile.
@@ -224,7 +215,7 @@ async def collect(stream: JobStream, request: Request,
     try:
         while (item := await stream.next()) is not None:
             i, delta = item
-            if (err := _failed(delta)) is not None:
+            if (err := job_outcome_error(delta)) is not None:
                 raise err
             on_delta(i, delta)
     finally:
@@ -257,7 +248,7 @@ async def _events(stream: JobStream, start: Iterable[object],
                 completed = True
                 break
             i, delta = item
-            if (err := _failed(delta)) is not None:
+            if (err := job_outcome_error(delta)) is not None:
                 # Headers are gone: the error travels as an event, then the stream ends.
                 yield _data(err.body())
                 break

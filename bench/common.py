@@ -20,6 +20,7 @@ from engine import Engine, EngineConfig, LoadedModel, SamplingParams, StepStats,
 from engine.config import default_num_threads
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DOCS_DIR = Path(__file__).resolve().parent.parent / "docs"
 
 
 # -- flags, threads, model -------------------------------------------------------------------------

@@ -10,8 +10,8 @@ fresh compiler each time, the tokenizer view built once beforehand), the first m
 compiling (lazy set-up), and the per-token mask time (median, p95) while the tokens of a valid
 instance are consumed one by one, masks written into a preallocated int32 bitmask. Then the time
 to apply a bitmask to [32, vocab] float32 logits: xgrammar's CPU kernel, and seqgate's
-(`engine.grammar.unpack_bitmask` and one masked fill). And each library's installed size, with
-what it pulls in.
+(`engine.sample.grammar.unpack_bitmask` and one masked fill). And each library's installed
+size, with what it pulls in.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from bench import provenance
 from bench.common import publish
 from bench.servers import local_model_dir
-from engine.grammar import JSON_STYLE, unpack_bitmask
+from engine.sample.grammar import JSON_STYLE, unpack_bitmask
 
 SCHEMAS = {
     "flat (3 fields)": (

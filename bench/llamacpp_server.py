@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     import xllamacpp
 
-    from engine.loader import embedded_model_path
+    from engine.model.loader import embedded_model_path
 
     params = xllamacpp.CommonParams()
     params.model.path = args.model or str(embedded_model_path())

@@ -14,7 +14,7 @@ greedy, exactly --new-tokens each, driven step by step from this thread (`start(
 Bare baselines: the same prompts left-padded into one batch and prefilled in one call, then
 `model(ids[b, 1], cache, attention_mask, position_ids)` per step, with
   - a transformers DynamicCache (it grows by torch.cat, so it copies its whole KV every step), and
-  - the engine's preallocated slab cache (engine.batch.SlabLayer), which isolates the scheduler.
+  - the engine's preallocated slab cache (engine.kv.batch.SlabLayer), which isolates the scheduler.
 The bare forwards run in lock step with the engine (engine step k, then bare forward k over the
 same KV width, order alternating), so load from other processes hits both alike; overheads are
 medians of per-step ratios. The target is < 15% for the step wall.
@@ -42,8 +42,9 @@ from bench.common import (
     write_json,
 )
 from bench.sharegpt import load_requests
-from engine.batch import GROWTH_COLUMNS, SlabCache, SlabLayer
-from engine.runner import cache_keyword
+from engine.kv.batch import GROWTH_COLUMNS
+from engine.kv.slabs import SlabCache, SlabLayer
+from engine.model.runner import cache_keyword
 
 TARGET = 0.15
 FIRST_PURE_STEP = 3

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench import plots
-from bench.common import markdown_table
+from bench.common import DOCS_DIR, RESULTS_DIR, markdown_table
 from bench.figures import geomean, mean_of, paired_ratios, pooled, ratio
 
 PEER_NOTES = """\
@@ -402,11 +402,9 @@ def write_report(data: dict, doc: Path) -> Path:
 
 
 def main() -> None:
-    from bench.serving import DOCS, RESULTS
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("results", nargs="?", type=Path, default=RESULTS / "serving.json")
-    ap.add_argument("--doc", type=Path, default=DOCS / "benchmarks.md")
+    ap.add_argument("results", nargs="?", type=Path, default=RESULTS_DIR / "serving.json")
+    ap.add_argument("--doc", type=Path, default=DOCS_DIR / "benchmarks.md")
     args = ap.parse_args()
     print(write_report(json.loads(args.results.read_text()), args.doc))
 

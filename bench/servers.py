@@ -76,7 +76,7 @@ class ServerSpec:
 
 
 SEQGATE = ServerSpec("seqgate", "seqgate")
-# Weight-only int4 (engine/quantize.py): the row that compares with llama.cpp's Q4_1 weights.
+# Weight-only int4 (engine/model/quantize.py): the row that compares with llama.cpp's Q4_1 weights.
 SEQGATE_INT4 = ServerSpec("seqgate-int4", "seqgate", ("--quantize", "int4"))
 TF_SERVE = ServerSpec("tf-serve", "transformers")
 TF_SERVE_CB = ServerSpec("tf-serve-cb", "transformers", ("--continuous-batching",))
@@ -96,7 +96,7 @@ def _venv_script(name: str) -> str:
 def local_model_dir() -> Path:
     """The safetensors copy of the embedded model that seqgate's loader caches (made if missing:
     the first load de-quantises the GGUF, about 15 s)."""
-    from engine.loader import _gguf_cache_path, default_cache_dir, embedded_model_path
+    from engine.model.loader import _gguf_cache_path, default_cache_dir, embedded_model_path
 
     path = _gguf_cache_path(embedded_model_path(), default_cache_dir())
     if not (path / "model.safetensors").is_file():

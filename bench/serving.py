@@ -42,8 +42,10 @@ from transformers import AutoTokenizer
 
 from bench import provenance
 from bench.agreement import compare
+from bench.common import DOCS_DIR, RESULTS_DIR
 from bench.figures import summarize
 from bench.loadgen import run_closed_loop
+from bench.report import write_report
 from bench.scrape import engine_activity, scrape
 from bench.servers import (
     SEQGATE,
@@ -67,8 +69,7 @@ from bench.workloads import (
     sweep_bodies,
 )
 
-RESULTS = Path(__file__).resolve().parent / "results"
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+RESULTS, DOCS = RESULTS_DIR, DOCS_DIR
 PHASES = ("sweep", "agreement", "cache", "splitting")
 QUICK = {"sweep": "2:4", "repeats": 1, "max_tokens": 16, "agreement_prompts": 4,
          "cache_load": "2:4", "split_load": "4:8", "split_lengths": "10:300",
@@ -375,7 +376,6 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         bench.data["meta"]["finished"] = provenance.now()
         bench.save()
-        from bench.report import write_report
 
         print(f"wrote {args.out} and {write_report(bench.data, args.doc)}")
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from engine.errors import ConfigError
+
 STRATEGIES = ("greedy", "sample", "contrastive")
 POLICIES = ("fifo", "priority", "shortest")
 DTYPES = ("auto", "fp32", "fp16", "bf16")
@@ -12,23 +14,14 @@ QUANTIZE_MODES = ("none", "int8", "int4")
 DECODE_ATTENTION = ("auto", "sdpa")
 
 
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field, the value and the limit."""
-
-    def __init__(self, field_name: str, value: object, expected: str):
-        self.field = field_name
-        self.value = value
-        super().__init__(f"{field_name}={value!r} is invalid: expected {expected}")
-
 
 def default_num_threads() -> int:
     """Intra-op threads for the engine: every core of a small machine, one spare on a larger one.
 
     DESIGN.md warns that torch's threads spin while they wait, so a pool as wide as the machine can
-    lose to one thread when another busy thread shares the cores. Measured under the serving
-    benchmark here (2 cores, the load generator on the same machine, 64-token ShareGPT replies):
-    2 threads gave 27.6 vs 19.1 output tokens/s at concurrency 1 and 130.6 vs 87.5 at 32, so on
-    small machines the engine takes them all; the HTTP loop's work between steps is small.
+    lose to one thread when another busy thread shares the cores. Under the serving benchmark on
+    2 cores, taking both was faster at every concurrency (docs/benchmarks/speed.md), so on small
+    machines the engine takes them all; the HTTP loop's work between steps is small.
     """
     if hasattr(os, "sched_getaffinity"):
         cores = len(os.sched_getaffinity(0))
@@ -69,9 +62,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 0
     # While rows decode, a step takes on at most the prompt work that keeps it within this many
     # times a decode-only step of the same rows (costs learnt from the steps that ran,
-    # engine/step_cost.py); 0: the token budget alone. At 2.5 a running stream's largest gap in
-    # the stall scenario fell from 7-8x its median to 2.1-3.8x, and the ShareGPT sweep kept its
-    # throughput; the price is long prompts' time to first token (docs/benchmarks/scheduler.md).
+    # engine/sched/step_cost.py); 0: the token budget alone. The price of a bound is long
+    # prompts' time to first token (docs/benchmarks/scheduler.md).
     stall_ratio: float = 2.5
     # Admission order: fifo; priority (the request's `priority`, lower first); shortest (prompt
     # first). Under the last two a job waiting `scheduling_age_limit` seconds goes first.
@@ -81,32 +73,34 @@ class EngineConfig:
     # a prompt chunk's attention to the budget; 0 derives it from the model (ModelRunner).
     chunk_attention_tokens: int = 0
     # One-query (decode) attention on bf16 CPU models: auto runs seqgate's own kernel
-    # (engine/native.py, compiled for the host on first use) where it builds, else PyTorch's
-    # SDPA; sdpa always runs SDPA.
+    # (engine/kernels/, compiled for the host on first use) where it builds, else PyTorch's SDPA;
+    # sdpa always runs SDPA.
     decode_attention: str = "auto"
-    # Weight-only quantisation on the CPU (engine/quantize.py): none | int8 | int4.
+    # Weight-only quantisation on the CPU (engine/model/quantize.py): none | int8 | int4.
     quantize: str = "none"
     # torch intra-op threads; 0 picks a default from the cores available.
     num_threads: int = 0
     # Context length limit; 0 means the model's max_position_embeddings.
     max_model_len: int = 0
     # Ranks (processes) the model is split over with transformers' tensor-parallel plan
-    # (engine/tensor_parallel.py); 1: one process.
+    # (engine/distributed/tensor_parallel.py); 1: one process.
     tensor_parallel_degree: int = 1
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise ConfigError("dtype", self.dtype, f"one of {DTYPES}")
+            raise ConfigError("dtype", self.dtype, "one of " + ", ".join(DTYPES))
         if self.quantize not in QUANTIZE_MODES:
-            raise ConfigError("quantize", self.quantize, f"one of {QUANTIZE_MODES}")
+            raise ConfigError("quantize", self.quantize, "one of " + ", ".join(QUANTIZE_MODES))
         if self.decoding_strategy not in STRATEGIES:
-            raise ConfigError("decoding_strategy", self.decoding_strategy, f"one of {STRATEGIES}")
+            raise ConfigError("decoding_strategy", self.decoding_strategy,
+                              "one of " + ", ".join(STRATEGIES))
         if self.decode_attention not in DECODE_ATTENTION:
             raise ConfigError("decode_attention", self.decode_attention,
-                              f"one of {DECODE_ATTENTION}")
+                              "one of " + ", ".join(DECODE_ATTENTION))
         if self.scheduling_policy not in POLICIES:
-            raise ConfigError("scheduling_policy", self.scheduling_policy, f"one of {POLICIES}")
+            raise ConfigError("scheduling_policy", self.scheduling_policy,
+                              "one of " + ", ".join(POLICIES))
         if not self.scheduling_age_limit > 0:
             raise ConfigError("scheduling_age_limit", self.scheduling_age_limit, "> 0 seconds")
         if self.max_rolling_batch_size < 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 
@@ -63,3 +64,27 @@ class StepStats:
     seconds: float  # the whole step: schedule, layout, forward, token choice, publish
     # Per job aborted this step: engine steps started between its abort request and now.
     abort_free_steps: list[int] = field(default_factory=list)
+
+
+@dataclass
+class EngineStats:
+    """Counters since start, and the last step's stats."""
+
+    queued: int = 0
+    running: int = 0
+    steps: int = 0
+    last_step: StepStats | None = None
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cache_hits: int = 0  # prefills that reused a cached prefix
+    cache_misses: int = 0  # prefills that found none (with the cache on)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the cache
+    prefix_cache_bytes: int = 0
+    prefix_cache_entries: int = 0  # nodes of the radix tree holding KV
+    prefix_cache_evictions: int = 0
+    grammars_compiled: int = 0  # grammars built (not found in the compile cache)
+    grammar_masked_tokens: int = 0  # tokens chosen under a grammar's mask
+    grammar_mask_seconds: float = 0.0  # time spent computing and applying those masks
+    kv_bytes: int = 0  # held by the rolling batch's slabs after the last step
+    peak_kv_bytes: int = 0  # the most they held after any step
+    finished_by_reason: Counter = field(default_factory=Counter)

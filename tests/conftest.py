@@ -10,6 +10,13 @@ import torch
 from engine import Engine, EngineConfig, LoadedModel, load_model
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite runs on the CPU, also on a machine with a GPU: its parity anchors and limits are
+    the CPU's. A run that selects the `gpu` tests (`-m gpu`, scripts/gpu_check.sh) sees the GPU."""
+    if "gpu" not in (config.option.markexpr or "").replace("not gpu", ""):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
     """The embedded default model, loaded once per test session.

@@ -22,7 +22,7 @@ from app.api_docs import documented
 from app.auth import require_api_key
 from app.lifespan import Gateway
 from app.streaming import JobStream, closing, collect, open_request
-from engine import Engine
+from engine import EngineClient
 
 
 class DjlController(Controller):
@@ -38,7 +38,7 @@ class DjlController(Controller):
     async def invocations(self, request: Request, gw: Gateway) -> Response:
         jsonlines_default = gw.settings.server.output_formatter == "jsonlines"
 
-        def prepare(engine: Engine, body: bytes
+        def prepare(engine: EngineClient, body: bytes
                     ) -> tuple[tuple[DjlRequest, list[DjlAssembler], bool], list[JobSpec]]:
             req, opts = decode_djl(body)
             specs = build_djl_jobs(req, opts, engine.tokenizer, engine.max_model_len,

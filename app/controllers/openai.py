@@ -34,7 +34,7 @@ from app.api_docs import documented
 from app.auth import require_api_key
 from app.lifespan import Gateway, GatewayState
 from app.streaming import collect, open_request, sse_response
-from engine import Engine
+from engine import EngineClient
 
 log = logging.getLogger("seqgate.app.openai")
 
@@ -68,7 +68,7 @@ class ChatCompletionsController(Controller):
           status_code=200, operation_class=documented(
               ChatCompletionRequest, ChatCompletionResponse, stream=ChatCompletionChunk))
     async def create(self, request: Request, gw: Gateway) -> Response:
-        def prepare(engine: Engine, body: bytes
+        def prepare(engine: EngineClient, body: bytes
                     ) -> tuple[tuple[ChatCompletionRequest, JobSpec], list[JobSpec]]:
             req = decode(request, body, ChatCompletionRequest, gw.model_name)
             spec = build_chat_job(req, engine.tokenizer, engine.max_model_len,
@@ -99,7 +99,7 @@ class CompletionsController(Controller):
           operation_class=documented(CompletionRequest, CompletionResponse,
                                      stream=CompletionResponse))
     async def create(self, request: Request, gw: Gateway) -> Response:
-        def prepare(engine: Engine, body: bytes
+        def prepare(engine: EngineClient, body: bytes
                     ) -> tuple[tuple[CompletionRequest, list[Prompt], int], list[JobSpec]]:
             req = decode(request, body, CompletionRequest, gw.model_name)
             specs, prompts = build_completion_jobs(req, engine.tokenizer, engine.max_model_len,

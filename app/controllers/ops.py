@@ -6,7 +6,7 @@ import platform
 
 from litestar import Controller, Request, Response, get, post
 
-from adapters.errors import ApiError
+from adapters.errors import LOADING_RETRY_AFTER, ApiError
 from adapters.openai_chat import render_prompt, template_messages
 from adapters.openai_types import (
     DetokenizeRequest,
@@ -17,7 +17,7 @@ from adapters.openai_types import (
 from app.api_docs import documented
 from app.auth import is_authorized, require_api_key
 from app.controllers.openai import decode, json_response
-from app.lifespan import LOADING_RETRY_AFTER, Gateway
+from app.lifespan import Gateway
 from app.metrics import CONTENT_TYPE
 from app.version import __version__
 

@@ -27,8 +27,8 @@ from typing import Any
 from ray import serve
 
 from engine import Engine, EngineConfig, EngineStopped, QueueFull, SamplingParams
-from engine.grammar import Grammar
-from engine.host_memory import freeze_startup_objects
+from engine.kv.host_memory import freeze_startup_objects
+from engine.sample.grammar import Grammar
 
 log = logging.getLogger("seqgate.replicas")
 

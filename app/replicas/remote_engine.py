@@ -1,7 +1,8 @@
 """RemoteEngine: the gateway's engine when the engines are Ray Serve replicas.
 
-It answers the same calls as `Engine` (submit / abort / stats / stop, the tokenizer, the limits
-and the grammar compiler), so the controllers, adapters and streaming code run unchanged. A job is
+It implements the engine-client contract (`engine.EngineClient`: submit / abort / stats / stop,
+the tokenizer, the limits and the grammar compiler) as the local `Engine` does, so the
+controllers, adapters and streaming code run unchanged. A job is
 checked here against the replicas' limits (`validate_job`: a 400 comes from the gateway), sent
 through the deployment handle (our router picks the replica), and its handle yields the replica's
 deltas. Aborting a job cancels its call: Ray cancels the generator on the replica that runs it,
@@ -32,8 +33,8 @@ from engine import (
     JobDelta,
     SamplingParams,
 )
-from engine.grammar import GrammarCompiler
-from engine.sampling_params import validate_job
+from engine.request.sampling_params import validate_job
+from engine.sample.grammar import GrammarCompiler
 
 log = logging.getLogger("seqgate.replicas")
 

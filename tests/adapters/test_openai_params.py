@@ -32,7 +32,7 @@ def test_strategy_follows_vllm_with_explicit_override(kw, expected):
 
 def test_unknown_strategy_names_the_parameter():
     with pytest.raises(ApiError) as info:
-        strategy_for(req(decoding_strategy="beam"))
+        sampling_params(req(decoding_strategy="beam"), CHAT_NAMES, max_tokens=4)
     assert info.value.param == "decoding_strategy"
 
 
@@ -67,26 +67,27 @@ def test_out_of_range_values_name_the_parameter(kw, param):
 
 
 def test_max_tokens_default_is_the_rest_of_the_context():
-    assert max_tokens_for(None, 100, 8192, "max_tokens", CHAT_NAMES) == 8092
-    assert max_tokens_for(10, 100, 8192, "max_tokens", CHAT_NAMES) == 10
+    assert max_tokens_for(None, 100, 8192, CHAT_NAMES) == 8092
+    assert max_tokens_for(10, 100, 8192, CHAT_NAMES) == 10
 
 
 def test_context_overflow_is_context_length_exceeded():
     with pytest.raises(ApiError) as info:
-        max_tokens_for(9000, 100, 8192, "max_tokens", CHAT_NAMES)
+        max_tokens_for(9000, 100, 8192, CHAT_NAMES)
     err = info.value
     assert err.status == 400 and err.code == "context_length_exceeded"
     assert "maximum context length is 8192" in err.message
     assert "context_length_exceeded" in err.message
     assert err.param == "messages"
     with pytest.raises(ApiError) as info:
-        max_tokens_for(None, 8192, 8192, "max_tokens", CHAT_NAMES)
+        max_tokens_for(None, 8192, 8192, CHAT_NAMES)
     assert info.value.code == "context_length_exceeded"
 
 
 def test_max_tokens_below_one():
+    names = CHAT_NAMES.renaming(max_new_tokens="max_completion_tokens")
     with pytest.raises(ApiError) as info:
-        max_tokens_for(0, 10, 100, "max_completion_tokens", CHAT_NAMES)
+        sampling_params(req(), names, max_tokens=max_tokens_for(0, 10, 100, names))
     assert info.value.param == "max_completion_tokens"
 
 

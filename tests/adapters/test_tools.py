@@ -24,7 +24,7 @@ from adapters.tools import (
     tool_plan,
 )
 from engine import Engine, EngineConfig
-from engine.grammar import Grammar, GrammarCompiler
+from engine.sample.grammar import Grammar, GrammarCompiler
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

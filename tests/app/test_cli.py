@@ -16,7 +16,7 @@ import pytest
 from openapi_spec_validator import validate
 
 from app.__main__ import main
-from engine.loader import embedded_model_path
+from engine.model.loader import embedded_model_path
 from tests.app.test_settings import SEED_PROPERTIES
 
 
@@ -102,6 +102,12 @@ def test_a_model_that_cannot_load_exits_1(tmp_path, capsys):
     assert str(missing) in captured.err
 
 
+def _running_sequences(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("seqgate_running_sequences "))
+
+
 def start_cli(*args: str) -> tuple[subprocess.Popen, queue.Queue[str], list[str]]:
     env = {**os.environ, "SEQGATE_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--port", "0", *args],
@@ -147,7 +153,10 @@ def test_drain_timeout_ends_open_streams_with_service_unavailable():
         for t in threads:
             t.start()
         started.wait(60)
-        time.sleep(0.5)  # the non-streamed request is in the batch too
+        deadline = time.monotonic() + 60  # until the non-streamed request is in the batch too
+        while _running_sequences(url) < 2:
+            assert time.monotonic() < deadline, "the second request never joined the batch"
+            time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(timeout=60)
@@ -176,8 +185,8 @@ def rss():
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) // 1024
 weights = [torch.randn(o, i, dtype=torch.bfloat16) for o, i in [(1536, 576), (576, 1536),
                                                                  (8192, 576)]]
-if sys.argv[2] == "prepacked":  # engine.prepack's path: weights laid out once for oneDNN
-    from engine.prepack import pack, product
+if sys.argv[2] == "prepacked":  # engine.model.prepack's path: weights laid out once for oneDNN
+    from engine.model.prepack import pack, product
     packed = [pack(w) for w in weights]
     def linear(x, i):
         return product(x, packed[i], None)
@@ -203,7 +212,7 @@ def test_serve_bounds_the_matmul_kernel_caches(path):
     left at their defaults: about 390 and 355 MiB more."""
     import torch
 
-    from engine import prepack
+    from engine.model import prepack
 
     if path == "prepacked" and not prepack.supported(torch.empty(0, dtype=torch.bfloat16)):
         pytest.skip("this CPU's oneDNN has no bf16 matrix products")

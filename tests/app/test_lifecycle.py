@@ -10,10 +10,10 @@ import time
 import httpx
 import pytest
 
-import app.lifespan as lifespan_module
+from adapters.errors import LOADING_RETRY_AFTER
 from app.factory import create_app
 from engine import Engine, EngineConfig
-from engine.loader import ModelLoadError
+from engine.errors import ModelLoadError
 from tests.app.conftest import settings, start_server
 
 pytestmark = pytest.mark.slow
@@ -44,7 +44,7 @@ def test_port_answers_503_while_the_model_loads(smollm2):
         with httpx.Client(base_url=srv.url, timeout=30) as c:
             health = c.get("/health")
             assert health.status_code == 503 and health.json() == {"status": "loading"}
-            assert health.headers["retry-after"] == str(lifespan_module.LOADING_RETRY_AFTER)
+            assert health.headers["retry-after"] == str(LOADING_RETRY_AFTER)
             for method, path, body in (("POST", "/v1/chat/completions", CHAT),
                                        ("POST", "/v1/completions", {"prompt": "x"}),
                                        ("GET", "/v1/models", None),

@@ -73,7 +73,10 @@ def test_non_stream_disconnect_aborts_the_job(live_server):
     while not engine.stats().running:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    time.sleep(0.3)  # a few decode steps in
+    joined = engine.stats().steps
+    while engine.stats().steps < joined + 3:  # a few decode steps in
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     steps, _ = running_after_leaving(engine, sock.close)
     assert steps <= 5, f"the slot took {steps} steps to free"
     wait_for_aborts(engine, aborted + 1)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine import JobHandle, lean
+from engine import JobHandle
+from engine.model import llama_layers as lean
 
 SENTENCES = [
     "The river ran quietly past the old mill, carrying leaves from the autumn trees.",

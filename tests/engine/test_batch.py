@@ -8,20 +8,18 @@ import sys
 import pytest
 import torch
 
-from engine.batch import (
+from engine.kv.batch import (
     GROWTH_COLUMNS,
     MAX_RESERVED_COLUMNS,
-    RollingBatch,
-    RowKV,
     build_sub_batch,
     headroom,
-    new_slabs,
 )
-from engine.contrastive import Candidates
-from engine.feed import DecodeFeed
-from engine.fused import Group
-from engine.job import Job, Sequence
-from engine.sampling_params import SamplingParams
+from engine.kv.rolling_batch import RollingBatch
+from engine.kv.slabs import RowKV, new_slabs
+from engine.model.decode_inputs import DecodeFeed
+from engine.model.packed_forward import Group
+from engine.request.job import Candidates, Job, Sequence
+from engine.request.sampling_params import SamplingParams
 
 LAYERS, HEADS, DIM = 3, 2, 4
 
@@ -219,7 +217,7 @@ def test_dead_columns_left_of_the_window_are_given_back():
 def test_a_reservation_that_cannot_be_mapped_falls_back_to_growth_columns(monkeypatch):
     """Under strict overcommit accounting a large reservation can fail to map: the slab is
     then made with GROWTH_COLUMNS to spare, as on a device."""
-    import engine.batch as batch_module
+    import engine.kv.batch as batch_module
 
     real = batch_module.new_slabs
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams, load_model
-from engine.quantize import PackedLinear
+from engine.model.quantize import PackedLinear
 from tests.engine.helpers import collect, reference_greedy, varied_prompts
 
 pytestmark = [
@@ -65,7 +65,7 @@ def test_rolling_batch_with_splitting_and_cache_equals_generate(cuda_fp32, make_
     tok = cuda_fp32.tokenizer
     eng = make_engine(cuda_fp32, max_rolling_batch_size=16, max_sparsity=0.05, max_splits=3,
                       fuse_sub_batches=fuse, max_num_batched_tokens=37)
-    assert eng.fused == fuse
+    assert eng.packed_forward == fuse
     jobs = varied_prompts(tok, 8)
     first = eng.submit(_chat(tok, "Where is my parcel?"), _greedy(8))
     eng.run_until_idle()  # the system prompt is cached now

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.sampling import filter_logits, sample_rows
+from engine.sample.sampling import filter_logits, sample_rows
 from tests.engine.helpers import collect, prompt_of
 
 

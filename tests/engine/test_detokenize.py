@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer
 
-from engine.detokenize import IncrementalDetokenizer, backend_of
+from engine.request.detokenize import IncrementalDetokenizer, backend_of
 
 CHAT_PROMPT = "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from engine.fused import _sdpa
+from engine.model.packed_forward import _sdpa
 
 
 @pytest.mark.parametrize("rows,q_len,masked", [(1, 1, False), (4, 1, True), (4, 1, False),

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.grammar import Grammar, GrammarCompiler, InvalidGrammar, unpack_bitmask
+from engine.errors import InvalidGrammar
+from engine.sample.grammar import Grammar, GrammarCompiler, unpack_bitmask
 from tests.engine.helpers import collect
 
 # Every kind of constraint the issue names: nested objects, arrays with min/max items, enums,

@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-from engine.host_memory import MAPPED_MIN_BYTES, mapped_empty
+from engine.kv.host_memory import MAPPED_MIN_BYTES, mapped_empty
 
 
 def rss_mib() -> float:

@@ -11,9 +11,9 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache
 
-from engine import lean
-from engine.quantize import quantize_model
-from engine.runner import cache_keyword
+from engine.model import llama_layers as lean
+from engine.model.quantize import quantize_model
+from engine.model.runner import cache_keyword
 
 
 # Head sizes: 16 (key and value projections of 32 rows, which the CPU int4 layout cannot stack

@@ -8,14 +8,13 @@ import pytest
 import torch
 
 from engine import EngineConfig, ModelLoadError, load_model
-from engine.loader import cpu_has_native_bf16, embedded_model_path, resolve_dtype
+from engine.model.loader import cpu_has_native_bf16, embedded_model_path, resolve_dtype
 
 
 def test_embedded_model_second_load_reads_the_safetensors_cache(smollm2):
     # The session fixture loaded it once (writing the cache if this machine had none).
     again = load_model(EngineConfig(dtype="fp32"))
     assert again.from_cache and again.name == "SmolLM2-135M-Instruct"
-    assert again.load_seconds < 10
     ids = smollm2.tokenizer.encode("cache check")
     with torch.inference_mode():
         a = smollm2.model(torch.tensor([ids])).logits

@@ -1,5 +1,5 @@
-"""The compiled decode-attention kernel (engine/native.py, engine/csrc/decode_attention.cpp):
-it builds where a compiler and AVX512 are at hand, computes what PyTorch's SDPA computes (no
+"""The compiled decode-attention kernel (engine/kernels/decode_attention.py and its csrc/): it
+builds where a compiler and AVX512 are at hand, computes what PyTorch's SDPA computes (no
 further from an fp32 reference than SDPA itself, in bf16), and the engine routes one-query
 attention through it only where it applies."""
 
@@ -15,8 +15,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine import EngineConfig, LoadedModel, SamplingParams, fused, native
-from engine.loader import default_cache_dir
+from engine import EngineConfig, LoadedModel, SamplingParams
+from engine.kernels import decode_attention as native
+from engine.model import packed_forward as fused
+from engine.model.loader import default_cache_dir
 
 
 def _avx512() -> bool:
@@ -85,11 +87,12 @@ def test_the_same_source_elsewhere_reuses_the_build(kernel, tmp_path):
     elsewhere = tmp_path / "csrc" / "decode_attention.cpp"
     elsewhere.parent.mkdir()
     elsewhere.write_bytes(native.SOURCE.read_bytes())
-    start = ("import sys, pathlib; from engine import native; from engine.loader import "
-             "default_cache_dir; native.SOURCE = pathlib.Path(sys.argv[1]); "
+    start = ("import sys, pathlib; from engine.kernels import decode_attention as native; "
+             "from engine.model.loader import default_cache_dir; "
+             " native.SOURCE = pathlib.Path(sys.argv[1]); "
              "sys.exit(native.decode_attention_kernel(default_cache_dir()) is None)")
     subprocess.run([sys.executable, "-c", start, str(elsewhere)], check=True, timeout=290,
-                   cwd=Path(native.__file__).parents[1])
+                   cwd=Path(native.__file__).parents[2])
     assert (where / "decode_attention.o").stat().st_mtime_ns == built
     assert str(tmp_path) not in (where / "build.ninja").read_text()
 

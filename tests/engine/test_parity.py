@@ -61,7 +61,7 @@ def test_rolling_batch_with_splitting_and_cache_equals_generate(smollm2, make_en
     tok = smollm2.tokenizer
     eng = make_engine(smollm2, max_rolling_batch_size=16, max_sparsity=0.05, max_splits=3,
                       fuse_sub_batches=fuse, max_num_batched_tokens=budget)
-    assert eng.fused == fuse
+    assert eng.packed_forward == fuse
     # Ten plain prompts of 5 to 500 tokens, and four chats sharing one cached system prompt.
     jobs = list(varied_prompts(tok, 10))
     jobs[2:2] = [_chat(tok, SYSTEM, q) for q in QUESTIONS]

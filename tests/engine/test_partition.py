@@ -1,4 +1,4 @@
-"""Tests for engine.partition (max-sparsity thresholding)."""
+"""Tests for engine.sched.partition (max-sparsity thresholding)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.partition import (
+from engine.sched.partition import (
     Partition,
     min_padding_by_k,
     padding,

@@ -10,10 +10,12 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine import SamplingParams, lean, prepack
-from engine.loader import LoadedModel
-from engine.prepack import PrepackedLinear
-from engine.quantize import PackedLinear, quantize_model
+from engine import SamplingParams
+from engine.model import llama_layers as lean
+from engine.model import prepack
+from engine.model.loader import LoadedModel
+from engine.model.prepack import PrepackedLinear
+from engine.model.quantize import PackedLinear, quantize_model
 from tests.engine.helpers import collect
 
 pytestmark = pytest.mark.skipif(not prepack.supported(torch.empty(0, dtype=torch.bfloat16)),

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine import EngineConfig, LoadedModel, SamplingParams
-from engine.config import ConfigError
-from engine.quantize import GROUP, PackedLinear, quantize_int4, quantize_model
+from engine.errors import ConfigError
+from engine.model.quantize import GROUP, PackedLinear, quantize_int4, quantize_model
 from tests.engine.helpers import collect, reference_greedy, varied_prompts
 
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.radix_cache import PrefixEntry, RadixPrefixCache
+from engine.kv.radix_cache import PrefixEntry, RadixPrefixCache
 
 LAYERS, HEADS, DIM = 2, 1, 3
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from engine import EngineConfig
-from engine.job import Job, Sequence
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.step_cost import MIN_CAP_UNITS, StepCost
+from engine.request.job import Job, Sequence
+from engine.request.sampling_params import SamplingParams
+from engine.sched.scheduler import Scheduler
+from engine.sched.step_cost import MIN_CAP_UNITS, StepCost
 
 
 def machine(rows: int, units: int) -> float:
@@ -166,7 +166,7 @@ def test_the_scheduler_takes_the_cap_while_rows_decode(ratio):
 
 
 def test_stall_ratio_is_validated():
-    from engine.config import ConfigError
+    from engine.errors import ConfigError
 
     with pytest.raises(ConfigError, match="stall_ratio"):
         EngineConfig(stall_ratio=1.0)

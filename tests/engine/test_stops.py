@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.stops import StopMatcher
+from engine.request.stops import StopMatcher
 
 
 def run(stops: list[str], chunks: list[str]) -> tuple[list[str], bool]:

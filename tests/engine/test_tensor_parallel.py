@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.grammar import Grammar
-from engine.loader import ModelLoadError
+from engine.errors import ModelLoadError
+from engine.sample.grammar import Grammar
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], list(range(100, 140)), [42] * 20, list(range(7, 300, 9))]
 
@@ -89,7 +89,7 @@ def test_a_degree_that_does_not_divide_the_heads_is_refused_before_ranks_start(s
 
 def test_gguf_models_and_clocked_policies_are_refused():
     from engine import ConfigError
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     with pytest.raises(ModelLoadError, match="needs a model directory or hub id"):
         load_model(EngineConfig(tensor_parallel_degree=2))

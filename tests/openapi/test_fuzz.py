@@ -17,7 +17,7 @@ import pytest
 import schemathesis
 from schemathesis.config import SchemathesisConfig
 
-from engine.loader import DEFAULT_MODEL_NAME
+from engine.model.loader import DEFAULT_MODEL_NAME
 from openapi.generate import DOCUMENT
 from tests.openapi.fuzzing import bound_generation, steer_to_generation
 

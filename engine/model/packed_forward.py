@@ -1,0 +1,222 @@
+"""One forward call for the whole step: every sub-batch's decode tokens and every prefill chunk.
+
+Splitting the rolling batch saves the KV padding of mixed lengths, and chunking prompts keeps
+running streams from stalling behind a long prefill; but on a CPU every extra forward re-reads
+every weight. Only attention depends on the KV layout, so the step's tokens are packed into one
+sequence ([1, tokens]) for the linear layers, and the work is split at attention alone: each
+group (a sub-batch's rows, one token each, or a prompt chunk) attends over its own KV with its
+own mask.
+
+It plugs into transformers through its public extension points: an attention function
+registered in `AttentionInterface` (which hands plain tensors to the model's original
+implementation, so every other forward is unchanged) and a `Cache` whose layers return the
+per-group KV as a `GroupedKV`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+if TYPE_CHECKING:
+    from engine.model.decode_inputs import DecodeFeed
+
+FUSED_ATTENTION = "seqgate_fused"
+# Attribute of an attention layer holding the compiled decode kernel it runs
+# (engine.kernels.decode_attention).
+DECODE_KERNEL_ATTR = "_seqgate_decode_kernel"
+# Attribute of a model holding the attention function `install` dispatches groups to.
+_INNER_ATTR = "_seqgate_fused_inner"
+
+
+@dataclass
+class Group:
+    """One group's place in the packed sequence and the cache its KV goes to.
+
+    A decode group is a sub-batch: `tokens` rows, one query each, over its slab; or, when rows
+    feed contrastive candidates, `feed.slots` queries per row, laid out by its `DecodeFeed`. A
+    prefill chunk is one row of `tokens` queries over its prompt's KV so far.
+    """
+
+    cache: Cache
+    start: int  # offset in the packed token dimension
+    tokens: int
+    rows: int
+    mask: torch.Tensor  # [rows, 1, queries per row, kv columns]: bool (True attends) or additive
+    feed: DecodeFeed | None = None  # decode groups: what each row fed
+
+    @property
+    def _slotted(self) -> bool:
+        return self.feed is not None and self.feed.slots > 1
+
+    def split(self, packed: torch.Tensor) -> torch.Tensor:
+        """This group's part of a packed [1, heads, tokens, dim] tensor as [rows, heads, q, dim].
+        """
+        part = packed[:, :, self.start : self.start + self.tokens]
+        if self._slotted:  # [tokens, heads, dim] → [rows, slots, heads, dim], padded
+            return self.feed.padded(part[0].transpose(0, 1)).transpose(1, 2)
+        return part.transpose(0, 2) if self.rows > 1 else part
+
+    def join(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output [rows, q, heads, dim] back to the packed layout [1, tokens, ...]."""
+        if self._slotted:
+            return self.feed.packed(out)[None]
+        return out.transpose(0, 1) if self.rows > 1 else out
+
+
+@dataclass
+class GroupedKV:
+    """One layer's keys and values, per group, after this step's tokens were written."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    groups: list[Group]
+
+
+class PackedLayer(DynamicLayer):
+    """Routes one layer's new KV to each group's cache."""
+
+    def __init__(self, groups: list[Group], layer_idx: int):
+        super().__init__()
+        self.groups = groups
+        self.layer_idx = layer_idx
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = [], []
+        for g in self.groups:
+            k, v = g.cache.update(g.split(key_states), g.split(value_states), self.layer_idx)
+            keys.append(k)
+            values.append(v)
+        grouped = GroupedKV(keys, values, self.groups)
+        return grouped, grouped
+
+    def get_seq_length(self) -> int:
+        return 0  # positions come from position_ids; nothing reads a packed cache's length
+
+
+class PackedCache(Cache):
+    """The cache handed to the packed forward: one PackedLayer per model layer."""
+
+    def __init__(self, groups: list[Group], n_layers: int):
+        super().__init__(layers=[PackedLayer(groups, i) for i in range(n_layers)])
+
+
+# Passed as the packed forward's attention mask: a 4D mask is used as given, so transformers
+# builds none (every group brings its own); the attention function below never reads it.
+NO_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)
+
+
+def install(model: torch.nn.Module) -> bool:
+    """Route `model`'s attention through the packed dispatcher. False when the model does not
+    use transformers' attention interface (then the engine runs one forward per group)."""
+    if not getattr(model, "_supports_attention_backend", False):
+        return False
+    original = model.config._attn_implementation
+    if original == FUSED_ATTENTION:
+        return True
+    if original == "sdpa":
+        inner = _sdpa
+    elif original == "eager":
+        inner = _eager(model)
+    else:
+        inner = ALL_ATTENTION_FUNCTIONS.get_interface(original, None) or _eager(model)
+    mask_fn = ALL_MASK_ATTENTION_FUNCTIONS[original if original in ("sdpa", "eager") else "sdpa"]
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        if not isinstance(key, GroupedKV):
+            return inner(module, query, key, value, attention_mask, **kwargs)
+        outs = []
+        for g, k, v in zip(key.groups, key.keys, key.values):
+            out, _ = inner(module, g.split(query), k, v, g.mask, **kwargs)
+            outs.append(g.join(out))
+        return torch.cat(outs, dim=1), None
+
+    setattr(model, _INNER_ATTR, inner)
+    AttentionInterface.register(FUSED_ATTENTION, attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(FUSED_ATTENTION, mask_fn)
+    model.set_attn_implementation(FUSED_ATTENTION)
+    return model.config._attn_implementation == FUSED_ATTENTION
+
+
+def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' SDPA attention, with one query per row run on the key-value heads.
+
+    With grouped-query attention and no mask (a step of one sub-batch without padding, say one
+    row, runs its own forward, and transformers drops the all-true mask), transformers asks the
+    kernel for `enable_gqa`, whose CPU path is several times slower for a single query than
+    the same product with the query heads of a group stacked as rows (SmolLM2-135M, bf16, 2
+    threads, 300 keys: 273 vs 85 µs per layer). transformers stacks them itself when a mask is
+    given; this does it in every case where the mask is shared by all heads. Where
+    `use_decode_kernel` gave the layer engine.kernels.decode_attention's kernel and the call fits it
+    (`_native_fits`), the kernel runs instead."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    rows, heads, q_len, dim = query.shape
+    if (q_len != 1 or dropout or kwargs.get("softcap") is not None
+            or kwargs.get("position_bias") is not None
+            or (attention_mask is not None and attention_mask.shape[1] != 1)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    kernel = getattr(module, DECODE_KERNEL_ATTR, None)
+    if kernel is not None and _native_fits(query, key, value, attention_mask):
+        mask = None if attention_mask is None else attention_mask[:, 0, 0]
+        scale = scaling if scaling is not None else dim ** -0.5
+        out = kernel.decode_attention(query[:, :, 0], key, value, mask, scale)
+        return out.view(rows, 1, heads, dim), None
+    if groups <= 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(rows, heads // groups, groups, dim), key, value, attn_mask=attention_mask,
+        scale=scaling)
+    return out.reshape(rows, 1, heads, value.shape[-1]), None
+
+
+def _native_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 mask: torch.Tensor | None) -> bool:
+    """Whether the compiled decode kernel (engine.kernels.decode_attention) takes this call:
+    everything its checks ask (bf16 on the CPU, matching rows and head dims, whole groups of query
+    heads, head dims contiguous, a [rows, 1, 1, columns] bool mask or none), so that it never
+    refuses one."""
+    rows, heads, _, dim = query.shape
+    return (query.device.type == "cpu" and query.dtype == key.dtype == torch.bfloat16
+            and key.dim() == 4 and value.shape == key.shape and value.dtype == key.dtype
+            and key.shape[0] == rows and key.shape[3] == dim and 0 < key.shape[1]
+            and heads % key.shape[1] == 0
+            and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
+            and (mask is None or (mask.dim() == 4 and mask.dtype == torch.bool
+                                  and mask.shape[:3] == (rows, 1, 1)
+                                  and mask.shape[3] == key.shape[2]
+                                  and mask.stride(-1) == 1)))
+
+
+def use_decode_kernel(model: torch.nn.Module, kernel) -> int:
+    """Have `model`'s attention layers run one-query steps through `kernel`
+    (engine.kernels.decode_attention's module; None: PyTorch's SDPA) where it can: the packed
+    dispatcher runs SDPA (`install` on a model whose attention was transformers' SDPA) and the
+    layer's head size and query heads per KV head take the kernel's vector path. Returns how
+    many layers do."""
+    if getattr(model, _INNER_ATTR, None) is not _sdpa:
+        kernel = None
+    layers = 0
+    for module in model.modules():
+        groups = getattr(module, "num_key_value_groups", None)
+        if groups is None:
+            continue
+        dim = getattr(module, "head_dim", None)
+        fits = kernel is not None and dim is not None and kernel.vectorised(dim, groups)
+        setattr(module, DECODE_KERNEL_ATTR, kernel if fits else None)
+        layers += fits
+    return layers
+
+
+def _eager(model: torch.nn.Module):
+    module = __import__(type(model).__module__, fromlist=["eager_attention_forward"])
+    return module.eager_attention_forward

@@ -1,0 +1,238 @@
+"""TokenDecoder: turns a sub-batch's logits into each row's next token and applies stop rules.
+
+Rows of one sub-batch may use different strategies (greedy, sample, contrastive); each group is
+handled with batched tensor code, and a row whose choice raises fails alone. A contrastive row
+chooses in two halves: `choose` proposes its candidates from the logits, and `pick` chooses among
+them once the next step's forward has fed them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.kv.batch import SubBatch
+from engine.outputs import TokenLogprob
+from engine.request.job import Candidates, SeqStatus, Sequence
+from engine.sample.contrastive import contrastive_scores
+from engine.sample.grammar import GrammarMasks
+from engine.sample.sampling import (
+    apply_logit_bias,
+    apply_penalties,
+    block_stop_tokens,
+    logprobs_for,
+    sample_rows,
+)
+
+log = logging.getLogger("seqgate.engine")
+
+
+def fail(s: Sequence, message: str, cause: str | None = None) -> None:
+    """Finish a sequence with an error (no-op when it already finished); `cause` as
+    JobDelta.error_cause."""
+    if not s.status.finished:
+        s.status = SeqStatus.ERROR
+        s.error, s.error_cause = message, cause
+
+
+class TokenDecoder:
+    """Owns the token choice: penalties, strategies, logprobs, and the stop conditions."""
+
+    def __init__(self, vocab_size: int, device: torch.device, eos_ids: list[int],
+                 max_model_len: int):
+        self.vocab_size = vocab_size
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
+        self.generator = torch.Generator(device=device)  # draws for unseeded jobs
+        self.generator.seed()
+        self.generated_tokens = 0
+        self.grammar = GrammarMasks(vocab_size)
+
+    def choose(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Pick each row's next token (contrastive rows: propose their candidates); a row whose
+        choice raises fails alone."""
+        try:
+            tokens, lps = self._choose_rows(seqs, logits)
+        except Exception:
+            # A bug, not a row's fault: say so loudly, then isolate the row that raises.
+            log.exception("batched token choice failed; choosing row by row")
+            tokens, lps = [], []
+            for i, s in enumerate(seqs):
+                try:
+                    t, lp = self._choose_rows([s], logits[i : i + 1])
+                    tokens.append(t[0])
+                    lps.append(lp[0])
+                except Exception as exc:
+                    log.exception("token choice failed for %s", s.job.job_id)
+                    fail(s, f"sampling failed: {exc}")
+                    tokens.append(None)
+                    lps.append(None)
+        for s, tok, lp in zip(seqs, tokens, lps):
+            if tok is not None and not s.status.finished:
+                self.accept(s, tok, lp)
+
+    def advance(self, sb: SubBatch, logits: torch.Tensor, hidden: torch.Tensor | None,
+                first: torch.Tensor) -> None:
+        """After a sub-batch's forward (`logits` and `hidden` of its fed tokens, each row's first
+        at `first`): contrastive rows choose among the candidates they fed and keep that one's
+        K/V, hidden state and logits; then every row still running chooses (or proposes) its
+        next token from its kept logits."""
+        slots = self.pick(sb.seqs, hidden, first)
+        sb.commit(slots)
+        kept = (first + torch.tensor(slots, device=first.device)).tolist()
+        if hidden is not None:
+            for s, at in zip(sb.seqs, kept):
+                if s.hidden is not None:
+                    s.hidden = torch.cat([s.hidden, hidden[at : at + 1]])
+        live = [i for i, s in enumerate(sb.seqs) if not s.status.finished]
+        if live:
+            rows = [kept[i] for i in live]
+            # Every row fed one token and runs on (the usual step): its logits as they are,
+            # not a copy of [rows, vocab].
+            self.choose([sb.seqs[i] for i in live],
+                        logits if rows == list(range(len(logits))) else logits[rows])
+
+    def _choose_rows(self, seqs: list[Sequence], logits: torch.Tensor):
+        logits = apply_penalties(logits, seqs, self.vocab_size)
+        logits = apply_logit_bias(logits, seqs)
+        scored = block_stop_tokens(logits, seqs, self.eos_ids)  # what logprobs report
+        logits = self._constrain(logits, scored, seqs)
+        tokens: list[int | None] = [None] * len(seqs)
+        strategies = [s.job.strategy for s in seqs]
+        greedy = [i for i, st in enumerate(strategies) if st == "greedy"]
+        if greedy:
+            picks = logits[greedy].argmax(dim=-1).tolist()
+            for i, t in zip(greedy, picks):
+                tokens[i] = t
+        sample = [i for i, st in enumerate(strategies) if st == "sample"]
+        if sample:
+            picks = sample_rows(logits[sample], [seqs[i] for i in sample], self.generator)
+            for i, t in zip(sample, picks):
+                tokens[i] = t
+        contrastive = [i for i, st in enumerate(strategies) if st == "contrastive"]
+        if contrastive:
+            self._propose([seqs[i] for i in contrastive], logits[contrastive],
+                          scored[contrastive])
+        lps: list = [None] * len(seqs)
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs and tokens[i] is not None]
+        if want:
+            got = logprobs_for(
+                scored[want], [tokens[i] for i in want], [seqs[i].params.top_logprobs for i in want]
+            )
+            for i, lp in zip(want, got):
+                lps[i] = lp
+        return tokens, lps
+
+    def _constrain(self, logits: torch.Tensor, blocked: torch.Tensor,
+                   seqs: list[Sequence]) -> torch.Tensor:
+        """Apply the rows' grammars. A grammar that allows only what `min_tokens` blocks (its
+        output is complete) wins: that row is masked from the unblocked logits."""
+        matchers = [s.matcher for s in seqs]
+        masked = self.grammar.apply(blocked, matchers)
+        if masked is blocked or blocked is logits:
+            return masked
+        dead = torch.isneginf(masked).all(dim=-1)
+        if dead.any():
+            masked[dead] = self.grammar.apply(logits, matchers)[dead]
+        return masked
+
+    def _propose(self, seqs: list[Sequence], logits: torch.Tensor, scored: torch.Tensor) -> None:
+        """Each contrastive row's candidates: its top-k tokens among the allowed ones (a grammar
+        or a bias may forbid most of them)."""
+        top_k = torch.tensor([s.params.top_k or 4 for s in seqs], device=logits.device)
+        ks = torch.minimum(top_k, torch.isfinite(logits).sum(dim=-1)).tolist()
+        if 0 in ks:
+            raise ValueError("contrastive search found no allowed token")
+        top = logits.softmax(dim=-1).topk(max(ks))
+        ids = top.indices.tolist()
+        for i, (s, k) in enumerate(zip(seqs, ks)):
+            s.candidates = Candidates(ids[i][:k], top.values[i, :k],
+                                      scored[i] if s.params.logprobs else None)
+
+    def pick(self, seqs: list[Sequence], hidden: torch.Tensor | None,
+             first: torch.Tensor) -> list[int]:
+        """Choose each contrastive row's token among the candidates it fed this step, from their
+        last-layer states `hidden` (the rows' fed tokens, row by row from `first`), and accept
+        it. Returns, per row, which of its fed tokens it keeps (0 for rows that fed one)."""
+        slots = [0] * len(seqs)
+        rows = [i for i, s in enumerate(seqs) if s.candidates is not None]
+        if not rows:
+            return slots
+        try:
+            picked = self._pick_rows([seqs[i] for i in rows], hidden, first[rows])
+        except Exception:
+            log.exception("batched contrastive choice failed; choosing row by row")
+            picked = []
+            for i in rows:
+                try:
+                    picked += self._pick_rows([seqs[i]], hidden, first[i : i + 1])
+                except Exception as exc:
+                    log.exception("contrastive choice failed for %s", seqs[i].job.job_id)
+                    fail(seqs[i], f"contrastive choice failed: {exc}")
+                    picked.append(None)
+        for i, got in zip(rows, picked):
+            s, cand = seqs[i], seqs[i].candidates
+            s.candidates = None
+            if got is not None and not s.status.finished:
+                slots[i] = got[0]
+                self.accept(s, cand.ids[got[0]], got[1])
+        return slots
+
+    def _pick_rows(self, seqs: list[Sequence], hidden: torch.Tensor, first: torch.Tensor
+                   ) -> list[tuple[int, TokenLogprob | None]]:
+        cands = [s.candidates for s in seqs]
+        device = hidden.device
+        counts = torch.tensor([len(c.ids) for c in cands], device=device)
+        slot = torch.arange(int(counts.max()), device=device)[None, :]
+        at = first.to(device)[:, None] + torch.minimum(slot, counts[:, None] - 1)
+        probs = torch.nn.utils.rnn.pad_sequence([c.probs for c in cands], batch_first=True)
+        alpha = torch.tensor([s.params.penalty_alpha for s in seqs], device=device)
+        scores = contrastive_scores(probs, hidden[at], [s.hidden for s in seqs], alpha)
+        slots = scores.masked_fill_(slot >= counts[:, None], float("-inf")).argmax(dim=-1).tolist()
+        lps: list[TokenLogprob | None] = [None] * len(seqs)
+        want = [i for i, c in enumerate(cands) if c.scored is not None]
+        if want:
+            got = logprobs_for(torch.stack([cands[i].scored for i in want]),
+                               [cands[i].ids[slots[i]] for i in want],
+                               [seqs[i].params.top_logprobs for i in want])
+            for i, lp in zip(want, got):
+                lps[i] = lp
+        return list(zip(slots, lps))
+
+    def accept(self, s: Sequence, tok: int, lp) -> None:
+        """Record a chosen token and apply the stop conditions."""
+        p = s.params
+        s.generated.append(tok)
+        s.out_tokens.append(tok)
+        s.pending_token = tok
+        self.generated_tokens += 1
+        if lp is not None:
+            s.out_logprobs.append(lp)
+        if s.counts is not None:
+            s.counts[tok] += 1
+        if s.matcher is not None and not s.matcher.consume_token(tok):
+            # The grammar's own token mask allowed `tok`: what it asks for cannot be written
+            # with this tokenizer (llguidance masks a byte sequence that no token starts
+            # with, e.g. a character in an unassigned plane, as if its lead byte were
+            # already written).
+            fail(s, f"the output left its grammar: {s.matcher.get_error()}", "grammar")
+        elif tok in self.eos_ids and not p.ignore_eos:
+            s.status = SeqStatus.EOS
+        elif tok in p.stop_token_ids:
+            s.status = SeqStatus.STOP_TOKEN
+        else:
+            text, stopped = s.stops.feed(s.detok.push(tok))
+            s.out_text.append(text)
+            if stopped:
+                s.status = SeqStatus.STOP_STRING
+            elif s.matcher is not None and s.matcher.is_stopped():
+                s.status = SeqStatus.GRAMMAR  # the grammar is complete: nothing may follow
+        if not s.status.finished and (
+            len(s.generated) >= p.max_new_tokens or s.kv_len + 1 >= self.max_model_len
+        ):
+            s.status = SeqStatus.LENGTH
+        if s.status.finished and s.status not in (SeqStatus.STOP_STRING, SeqStatus.ERROR):
+            # Text held back for an incomplete character or a partial stop match goes out now.
+            text, stopped = s.stops.feed(s.detok.flush())
+            s.out_text.append(text if stopped else text + s.stops.flush())
