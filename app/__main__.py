@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # The engine thread takes the GIL back after every torch op; while a preparation thread
     # runs Python (a large chat template, a long token list), each of those waits up to the
-    # switch interval. 1 ms instead of 5 keeps the streams' steps short (bench/large_body.py).
+    # switch interval. 1 ms instead of 5 keeps the streams' steps short
+    # (bench/studies/large_body.py).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     args = build_parser().parse_args(argv)
     if args.command == "serve":

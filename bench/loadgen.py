@@ -2,10 +2,10 @@
 
 `concurrency` workers share one queue of request bodies: each sends one, reads its response to
 the end, then takes the next, so exactly `concurrency` requests are in flight until the queue
-runs dry. Streamed responses are read as server-sent events: `data: {...}` chunks, ended by
-`data: [DONE]` or (transformers serve, which sends no [DONE]) by the end of the body. Timings are
-taken on arrival of each chunk; the token count comes from the `usage` the server reports (asked
-for with stream_options.include_usage), else from the number of content chunks.
+runs dry. Streamed responses are read by bench/harness.py's `events()`: `data: {...}` chunks,
+ended by `data: [DONE]` or (transformers serve, which sends no [DONE]) by the end of the body.
+Timings are taken on arrival of each chunk; the token count comes from the `usage` the server
+reports (asked for with stream_options.include_usage), else from the number of content chunks.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import httpx
 
 from bench.figures import RequestResult
+from bench.harness import DONE, events
 
 
 def _content(choice: dict) -> str:
@@ -49,7 +50,7 @@ def _take_usage(res: RequestResult, usage: dict | None) -> None:
 
 def apply_chunk(res: RequestResult, payload: str, now: float, keep_text: bool) -> bool:
     """Fold one SSE data payload into `res`; True once the stream is over ([DONE] or an error)."""
-    if payload == "[DONE]":
+    if payload == DONE:
         return True
     obj = json.loads(payload)
     if "error" in obj:
@@ -75,10 +76,8 @@ async def _send_streaming(client: httpx.AsyncClient, path: str, body: dict,
             text = (await resp.aread()).decode(errors="replace")[:300]
             res.error = f"HTTP {resp.status_code}: {text}"
             return
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue  # blank separators, SSE comments (keep-alive pings), event names
-            if apply_chunk(res, line[5:].strip(), time.perf_counter(), keep_text):
+        async for payload, at in events(resp):
+            if apply_chunk(res, payload, at, keep_text):
                 break
     res.end = time.perf_counter()
     if res.output_tokens == 0:  # no usage reported

@@ -15,17 +15,15 @@ least 3x lower with the cache. Results go to `--out` (JSON) and stdout (markdown
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
-import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 
 from bench import provenance
+from bench.harness import machine_line, parse_args, pipe_table, publish, server_log
 from bench.loadgen import send
 from bench.servers import SEQGATE, ServerProcess, local_model_dir
 from bench.sharegpt import load_conversations
@@ -128,15 +126,16 @@ def summarize(runs: list[ServerRun]) -> dict:
 
 
 def report(summary: dict, on: str, off: str) -> str:
-    lines = ["| server | turn | requests | prompt tokens (mean) | cached | TTFT p50 | TTFT p95 |",
-             "|---|---|---|---|---|---|---|"]
+    rows = []
     for label, turns in summary.items():
         for n, t in turns.items():
             frac = "n/a" if t["cached_fraction"] is None else f"{100 * t['cached_fraction']:.1f}%"
             p50 = "n/a" if t["ttft_p50"] is None else f"{t['ttft_p50']:.3f} s"
             p95 = "n/a" if t["ttft_p95"] is None else f"{t['ttft_p95']:.3f} s"
             mean = "n/a" if t["prompt_tokens_mean"] is None else f"{t['prompt_tokens_mean']:.0f}"
-            lines.append(f"| {label} | {n} | {t['requests']} | {mean} | {frac} | {p50} | {p95} |")
+            rows.append([label, n, t["requests"], mean, frac, p50, p95])
+    lines = pipe_table(["server", "turn", "requests", "prompt tokens (mean)", "cached",
+                        "TTFT p50", "TTFT p95"], rows)
     lines.append("")
     for n in range(2, TURNS + 1):
         a, b = summary[off][n]["ttft_p50"], summary[on][n]["ttft_p50"]
@@ -148,15 +147,8 @@ def report(summary: dict, on: str, off: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--conversations", type=int, default=32)
-    ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--max-turn-tokens", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=Path("bench/results/multiturn.json"))
-    ap.add_argument("--doc", type=Path, default=None, help="also write the report (markdown)")
-    args = ap.parse_args(argv)
+    args = parse_args(__doc__, "multiturn", argv, conversations=32, concurrency=8, max_tokens=64,
+                      max_turn_tokens=256, repeats=1)
     from transformers import AutoTokenizer
 
     model_dir = local_model_dir()
@@ -166,11 +158,9 @@ def main(argv: list[str] | None = None) -> None:
     off = dataclasses.replace(SEQGATE, label="seqgate cache off",
                               extra_args=("--prompt-cache-bytes", "0"))
     runs: list[ServerRun] = []
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     for repeat in range(args.repeats):
         for spec in (on, off):
-            log = args.out.with_suffix(f".{spec.label.replace(' ', '-')}.log")
-            with ServerProcess(spec, model_dir, log) as server:
+            with ServerProcess(spec, model_dir, server_log(args.out, spec.label)) as server:
                 results, wall = asyncio.run(run_conversations(
                     server.base_url, server.request_model, convs, args.concurrency,
                     args.max_tokens))
@@ -178,26 +168,16 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[multiturn] {spec.label} repeat {repeat}: {len(results)} turns in "
                   f"{wall:.1f} s", flush=True)
     summary = summarize(runs)
-    data = {"meta": {"command": provenance.command(argv, "bench.multiturn"),
-                     "machine": provenance.machine(), "versions": provenance.versions(),
-                     "args": {k: str(v) if isinstance(v, Path) else v
-                              for k, v in vars(args).items()}, "finished": provenance.now()},
+    data = {"meta": provenance.meta(argv, "bench.multiturn", args),
             "summary": summary,
             "runs": [{"label": r.label, "repeat": r.repeat, "wall_seconds": r.wall_seconds,
                       "turns": [vars(t) for t in r.turns]} for r in runs]}
-    args.out.write_text(json.dumps(data, indent=1) + "\n")
-    text = report(summary, on.label, off.label)
-    print(text)
-    if args.doc is not None:
-        meta = data["meta"]
-        args.doc.parent.mkdir(parents=True, exist_ok=True)
-        args.doc.write_text(
-            f"### Multi-turn conversations, radix prefix cache on and off "
-            f"(`{meta['command']}`)\n\n{args.conversations} three-turn ShareGPT conversations, "
-            f"{args.concurrency} at once, at most {args.max_tokens} tokens per answer; "
-            f"{meta['machine'].get('cpu')}, {meta['machine'].get('cores_available')} cores, "
-            f"{meta['finished']}.\n\n{text}\n")
-    print(f"wrote {args.out}")
+    meta = data["meta"]
+    publish(data, args.out, report(summary, on.label, off.label), args.doc,
+            f"Multi-turn conversations, radix prefix cache on and off (`{meta['command']}`)",
+            intro=f"{args.conversations} three-turn ShareGPT conversations, "
+                  f"{args.concurrency} at once, at most {args.max_tokens} tokens per answer; "
+                  f"{machine_line(meta)}.")
 
 
 if __name__ == "__main__":

@@ -78,5 +78,30 @@ def command(argv: list[str] | None = None, module: str = "bench.serving") -> str
     return shlex.join(["python", "-m", module, *args])
 
 
+def jsonable(args) -> dict:
+    """Parsed flags (a Namespace or a dict) as JSON-ready values: paths as strings."""
+    items = args if isinstance(args, dict) else vars(args)
+    return {k: str(v) if isinstance(v, Path) else v for k, v in items.items()}
+
+
 def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def meta(argv: list[str] | None, module: str, args=None, *, command_line: str | None = None,
+         started: bool = False, versions_too: bool = True, finished: bool = True) -> dict:
+    """A results file's `meta` block, in this order: the command (`command_line`, else the one
+    that reruns `module` with `argv`), when it started (with `started`), the machine, the
+    versions (with `versions_too`), the flags (`args`: a Namespace or a dict, paths as strings)
+    and when it finished (with `finished`; otherwise the caller adds it at the end)."""
+    out: dict = {"command": command_line or command(argv, module)}
+    if started:
+        out["started"] = now()
+    out["machine"] = machine()
+    if versions_too:
+        out["versions"] = versions()
+    if args is not None:
+        out["args"] = jsonable(args)
+    if finished:
+        out["finished"] = now()
+    return out

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench import plots
-from bench.common import DOCS_DIR, RESULTS_DIR, markdown_table
 from bench.figures import geomean, mean_of, paired_ratios, pooled, ratio
+from bench.harness import DOCS_DIR, RESULTS_DIR, markdown_table
 
 PEER_NOTES = """\
 - llama.cpp's server (the `xllamacpp` wheel, `bench/llamacpp_server.py`) serves the GGUF that
@@ -341,7 +341,7 @@ def render(data: dict, doc: Path) -> str:
 
 # Written beside the plots by bench.stall, bench.multiturn and bench.structured; scheduler.md is
 # kept by hand (before/after comparisons across commits, which one run of `make bench` cannot
-# make); grammar.md by bench.grammar_libs (the grammar libraries compared, run by hand);
+# make); grammar.md by bench.studies.grammar_libs (the grammar libraries compared, run by hand);
 # speed.md by hand (profiles and the quantised rows against llama.cpp).
 SCENARIOS = ("stall.md", "multiturn.md", "scheduler.md", "structured.md", "grammar.md",
              "routing.md", "speed.md")

@@ -22,7 +22,6 @@ Results go to `--out` (JSON) and stdout (markdown); `--doc` also writes the repo
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import statistics
@@ -33,12 +32,14 @@ from pathlib import Path
 import httpx
 
 from bench import provenance
-from bench.common import markdown_table, publish
+from bench.harness import Opt, markdown_table, parse_args, publish
 from bench.servers import SEQGATE, ServerProcess, local_model_dir
 from bench.workloads import distinct_system_prompts
 
 CHAT_PATH = "/v1/chat/completions"
 POLICIES = ("prefix_affinity", "least_loaded", "round_robin")
+
+
 async def ask(http: httpx.AsyncClient, model: str | None, system: str, question: int) -> dict:
     body = {"model": model, "max_tokens": 4, "temperature": 0,
             "messages": [{"role": "system", "content": system},
@@ -110,19 +111,10 @@ def report(data: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--per-prompt", type=int, default=16)
-    ap.add_argument("--system-tokens", type=int, default=400)
-    ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--latency-requests", type=int, default=60)
-    ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--model", type=Path, default=None,
-                    help="model directory (default: the embedded model's safetensors copy)")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/routing.json"))
-    ap.add_argument("--doc", type=Path, default=None, help="also write the report (markdown)")
-    args = ap.parse_args(argv)
+    args = parse_args(
+        __doc__, "routing", argv, replicas=2, prompts=4, per_prompt=16, system_tokens=400,
+        concurrency=8, latency_requests=60, policies=",".join(POLICIES),
+        model=Opt(None, Path, "model directory (default: the embedded model's safetensors copy)"))
     from transformers import AutoTokenizer
 
     model_dir = args.model or local_model_dir()
@@ -147,10 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(summary) == 2:
         base, routed = summary.values()
         summary["added by the replicas"] = {q: routed[q] - base[q] for q in ("p50", "p95")}
-    data = {"meta": {"command": provenance.command(argv, "bench.routing"),
-                     "machine": provenance.machine(), "versions": provenance.versions(),
-                     "args": {k: str(v) if isinstance(v, Path) else v
-                              for k, v in vars(args).items()}, "finished": provenance.now()},
+    data = {"meta": provenance.meta(argv, "bench.routing", args),
             "routing": routing, "latency": summary, "latency_samples": latency}
     publish(data, args.out, report(data), args.doc, "Routing over replicas",
             f"{args.prompts} system prompts of {args.system_tokens} tokens x {args.per_prompt} "

@@ -8,6 +8,9 @@ into), so both sides load the same weights:
   llama.cpp        `python -m bench.llamacpp_server --port P --parallel C` (xllamacpp, on the
                    GGUF that seqgate embeds, which seqgate de-quantises into DIR; one slot per
                    concurrent request, 2 threads)
+  app              `python -m app serve --port P [extra flags]` with its own defaults (the
+                   embedded model), run in a checkout (this one, or an older commit's worktree):
+                   the scheduler scenarios (bench/stall.py, bench/structured.py)
 The peer pins DIR as its FORCE_MODEL: requests must name exactly DIR (or no model), its
 /v1/models answers 500 without a hub cache, so readiness is polled on /health, which only answers
 once the forced model is loaded. Stop: SIGTERM, then SIGKILL after a timeout. Memory: the peak RSS
@@ -32,13 +35,15 @@ from pathlib import Path
 import httpx
 import psutil
 
+REPO = Path(__file__).resolve().parent.parent
+
 
 @dataclass(frozen=True)
 class ServerSpec:
     """One server configuration: its label in the results and how to launch it."""
 
     label: str  # e.g. "seqgate", "tf-serve", "tf-serve-cb", "seqgate cache off"
-    kind: str  # "seqgate" | "transformers" | "llamacpp"
+    kind: str  # "seqgate" | "transformers" | "llamacpp" | "app"
     extra_args: tuple[str, ...] = ()
     ready_path: str = "/health"
     # seqgate from another checkout (`python -m app serve` run there, this interpreter): an
@@ -57,6 +62,8 @@ class ServerSpec:
         if self.kind == "llamacpp":
             return [sys.executable, "-m", "bench.llamacpp_server", "--port", str(port),
                     *self.extra_args]
+        if self.kind == "app":
+            return [sys.executable, "-m", "app", "serve", "--port", str(port), *self.extra_args]
         raise ValueError(f"unknown server kind {self.kind!r}")
 
     def request_model(self, model_dir: Path, served_name: str | None) -> str | None:
@@ -65,6 +72,11 @@ class ServerSpec:
         if self.kind == "transformers":
             return str(model_dir)
         return None if self.kind == "llamacpp" else served_name
+
+    @property
+    def cwd(self) -> Path | None:
+        """Where the server runs: its checkout; `app` runs in this one unless given another."""
+        return self.checkout or (REPO if self.kind == "app" else None)
 
     def for_concurrency(self, concurrency: int) -> ServerSpec:
         """The spec for a run at `concurrency`: llama.cpp gets one slot per concurrent request
@@ -248,7 +260,7 @@ class ServerProcess:
     Its stdout and stderr go to `log_path`; errors quote the log's tail.
     """
 
-    def __init__(self, spec: ServerSpec, model_dir: Path, log_path: Path,
+    def __init__(self, spec: ServerSpec, model_dir: Path | None, log_path: Path,
                  start_timeout: float = 600.0, stop_timeout: float = 30.0):
         self.spec = spec
         self.model_dir = model_dir
@@ -286,7 +298,7 @@ class ServerProcess:
         log.flush()
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     stdin=subprocess.DEVNULL, cwd=self.spec.checkout)
+                                     stdin=subprocess.DEVNULL, cwd=self.spec.cwd)
         log.close()
         try:
             self._wait_ready()

@@ -42,8 +42,8 @@ from transformers import AutoTokenizer
 
 from bench import provenance
 from bench.agreement import compare
-from bench.common import DOCS_DIR, RESULTS_DIR
 from bench.figures import summarize
+from bench.harness import DOCS_DIR, RESULTS_DIR
 from bench.loadgen import run_closed_loop
 from bench.report import write_report
 from bench.scrape import engine_activity, scrape
@@ -155,12 +155,11 @@ class Bench:
         if args.checkout is not None:  # no local paths in the results and the report
             command = command.replace(str(args.checkout), "DIR")
             shown["checkout"] = "DIR"
-        self.data = {"meta": {"command": command, "started": provenance.now(),
-                              "machine": provenance.machine(), "versions": provenance.versions(),
-                              "model_dir": str(self.model_dir),
+        meta = provenance.meta(argv, "bench.serving", command_line=command, started=True,
+                               finished=False)
+        self.data = {"meta": {**meta, "model_dir": str(self.model_dir),
                               "weights_dtype": self.weights_dtype,
-                              "args": _jsonable(shown),
-                              "phase_seconds": {}},
+                              "args": provenance.jsonable(shown), "phase_seconds": {}},
                      "sweep": [], "agreement": {}, "cache": [], "splitting": [], "failures": []}
         self.logs = RESULTS / "logs"
         # An older commit's seqgate run beside this one in the sweep (`--checkout`).
@@ -354,10 +353,6 @@ def _get_json(url: str) -> dict | None:
 
 def _s(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.3f}s"
-
-
-def _jsonable(d: dict) -> dict:
-    return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
 
 
 def main(argv: list[str] | None = None) -> None:

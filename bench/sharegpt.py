@@ -123,7 +123,9 @@ def main() -> None:
     import argparse
     import time
 
-    from bench.common import load_tokenizer
+    from transformers import AutoTokenizer
+
+    from bench.servers import local_model_dir
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--count", type=int, default=5)
@@ -132,7 +134,8 @@ def main() -> None:
     t0 = time.perf_counter()
     convs = load_conversations()
     print(f"{len(convs)} complete conversations ({time.perf_counter() - t0:.1f}s)")
-    reqs = load_requests(load_tokenizer(), args.count, seed=args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(local_model_dir())
+    reqs = load_requests(tokenizer, args.count, seed=args.seed)
     for r in reqs:
         head = r.messages[0]["content"][:70].replace("\n", " ")
         print(f"{len(r.prompt_ids):5d} prompt tokens, max_tokens {r.max_tokens:4d}: {head!r}")

@@ -52,6 +52,7 @@ import httpx
 from transformers import AutoTokenizer
 
 from bench import provenance
+from bench.harness import RESULTS_DIR, write_json
 from bench.scrape import Samples, histogram_delta, scrape
 from bench.servers import SEQGATE, CpuAccount, RssSampler, ServerProcess, local_model_dir
 from bench.sharegpt import load_requests
@@ -74,7 +75,6 @@ from bench.soak_traffic import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "results"
 # Measured here (coverage phase on): 988 cases at FUZZ_MAX_EXAMPLES=5 and 1,068 at 15, so about
 # 948 fixed (examples and coverage phases) + 8 per example (the 8 operations that take input grow
 # by one case each); 550 gives about 5,350, a margin over the 5,000 target. The generation run's
@@ -111,7 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seqgate-arg", action="append", default=[],
                     help="extra flag for seqgate serve (repeatable, e.g. "
                          "--seqgate-arg=--num-threads=1)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "soak.json", help="raw results JSON")
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR / "soak.json", help="raw results JSON")
     ap.add_argument("--report", type=Path, default=REPO / "docs" / "reliability.md")
     args = ap.parse_args(argv)
     if warmup_seconds(args.duration) >= args.duration - args.drain_lead:
@@ -423,11 +423,8 @@ def soak(args: argparse.Namespace, argv: list[str] | None) -> dict:
     spec = dataclasses.replace(SEQGATE, label="seqgate soak", extra_args=(
         "--drain-timeout", f"{args.drain_timeout:g}", *args.seqgate_arg))
     log = args.out.with_suffix(".server.log")
-    data: dict = {"meta": {"command": provenance.command(argv, "bench.soak"),
-                           "started": provenance.now(), "machine": provenance.machine(),
-                           "versions": provenance.versions(),
-                           "args": {k: str(v) if isinstance(v, Path) else v
-                                    for k, v in vars(args).items()}}}
+    data: dict = {"meta": provenance.meta(argv, "bench.soak", args, started=True,
+                                          finished=False)}
     with ServerProcess(spec, model_dir, log) as server:
         version = httpx.get(server.base_url + "/version", timeout=10.0).json()
         served = ServedModel(server.served_name, int(version.get("max_model_len") or 8192))
@@ -451,19 +448,14 @@ def soak(args: argparse.Namespace, argv: list[str] | None) -> dict:
     return data
 
 
-def save(data: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     data = soak(args, argv)
-    save(data, args.out)
+    write_json(args.out, data)
     data["fuzz"] = None if args.skip_fuzz else run_fuzz(args.fuzz_examples,
                                                         args.out.with_suffix(".fuzz.log"))
     data["meta"]["finished"] = provenance.now()
-    save(data, args.out)
+    write_json(args.out, data)
     print(f"wrote {args.out} and {write_report(data, args.report)}")
     failed = False
     for t in targets(data):

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import markdown_table
+from bench.harness import markdown_table
 from bench.soak_traffic import Outcome
 
 RSS_GROWTH_LIMIT = 0.05

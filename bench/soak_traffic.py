@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
+from bench.harness import DONE, events
 from bench.sharegpt import Request
 
 CHAT_PATH = "/v1/chat/completions"
@@ -233,7 +234,7 @@ def classify_stream(payloads: Sequence[str]) -> StreamEnd:
     """Classify a stream by its `data:` payloads, in order."""
     code, errored = None, False
     for payload in payloads:
-        if payload == "[DONE]":
+        if payload == DONE:
             return StreamEnd("error-then-done" if errored else "done", code, len(payloads))
         if not errored and payload.startswith("{") and '"error"' in payload:
             try:
@@ -310,14 +311,13 @@ async def _send_stream(client: httpx.AsyncClient, req: SoakRequest, o: Outcome) 
         if resp.status_code != 200:
             _judge_error(o, req, await resp.aread())
             return
-        async for line in resp.aiter_lines():
-            if line.startswith("data:"):
-                payloads.append(line[5:].strip())
-                if payloads[-1] == "[DONE]":
-                    break
-                if req.cut_after_events is not None and len(payloads) >= req.cut_after_events:
-                    o.cut = True  # leaving the block closes the connection mid-stream
-                    return
+        async for payload, _ in events(resp):
+            payloads.append(payload)
+            if payload == DONE:
+                break
+            if req.cut_after_events is not None and len(payloads) >= req.cut_after_events:
+                o.cut = True  # leaving the block closes the connection mid-stream
+                return
     end = classify_stream(payloads)
     o.stream_end, o.code = end.how, end.error_code
     if end.how == "truncated":

@@ -29,18 +29,27 @@ Configurations alternate within each repeat. Results go to `--out` (JSON) and st
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
 import time
-from pathlib import Path
 
 import httpx
 
 from bench import provenance
-from bench.large_body import StreamTrace, start_server
-from bench.servers import free_port, local_model_dir
+from bench.harness import (
+    CHECKOUT,
+    Opt,
+    StreamTrace,
+    parse_args,
+    pipe_table,
+    publish,
+    server_log,
+    sse,
+    trace,
+    until_streaming,
+)
+from bench.servers import ServerProcess, ServerSpec, local_model_dir
 from bench.sharegpt import load_requests, text_token_ids
 
 LONG_NEW_TOKENS = 16
@@ -59,30 +68,30 @@ def workload(tokenizer, streams: int, long: int, lo: int, hi: int, seed: int
     return [r.messages for r in reqs], prompts
 
 
-async def _stream(client: httpx.AsyncClient, messages: list[dict], trace: StreamTrace,
-                  max_tokens: int) -> None:
+def _logprob_event(payload: str) -> bool:
     # Timed by logprobs, not text: a token without text yet (an incomplete character) still
     # sends its logprob, so a gap is a gap between tokens.
+    if not (payload.startswith("{") and '"logprobs":{' in payload):
+        return False
+    choices = json.loads(payload)["choices"]
+    return bool(choices and (choices[0].get("logprobs") or {}).get("content"))
+
+
+async def _stream(client: httpx.AsyncClient, messages: list[dict], into: StreamTrace,
+                  max_tokens: int) -> None:
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "logprobs": True, "stream": True}
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: {") and '"logprobs":{' in line:
-                choices = json.loads(line[6:])["choices"]
-                if choices and (choices[0].get("logprobs") or {}).get("content"):
-                    trace.times.append(time.perf_counter())
+    await trace(client, "/v1/chat/completions", body, into, _logprob_event)
 
 
 async def _long(client: httpx.AsyncClient, ids: list[int]) -> dict:
     body = {"prompt": ids, "max_tokens": LONG_NEW_TOKENS, "temperature": 0, "ignore_eos": True,
             "stream": True}
     sent, first = time.perf_counter(), None
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if first is None and line.startswith("data: {") and '"text":""' not in line:
-                first = time.perf_counter()
+    async with sse(client, "/v1/completions", body) as stream:
+        async for payload, at in stream:
+            if first is None and payload.startswith("{") and '"text":""' not in payload:
+                first = at
     return {"tokens": len(ids), "sent": sent, "first_token": first,
             "ttft_s": None if first is None else round(first - sent, 3)}
 
@@ -94,10 +103,7 @@ async def measure(url: str, messages: list[list[dict]], prompts: list[list[int]]
         traces = [StreamTrace() for _ in messages]
         tasks = [asyncio.create_task(_stream(client, m, t, stream_tokens))
                  for m, t in zip(messages, traces)]
-        while min(len(t.times) for t in traces) < 5:
-            if any(t.done() for t in tasks):
-                await asyncio.gather(*tasks)  # raises what ended a stream early
-            await asyncio.sleep(0.02)
+        await until_streaming(traces, tasks, 5)
         window_start = time.perf_counter()
         longs = []
         for i, ids in enumerate(prompts):
@@ -149,92 +155,57 @@ def summarize(traces: list[StreamTrace], long_results: list[dict], window_start:
 
 
 def report(runs: list[dict]) -> str:
-    lines = ["| server | repeat | worst largest gap / median (target <= 3) | worst largest gap "
-             "| median gap | TPOT p95 | long-prompt TTFT p50 / max | streams outlasting the "
-             "window |", "|---|---|---|---|---|---|---|---|"]
+    rows = []
     for r in runs:
         m = r["result"]
         verdict = "met" if m["worst_max_over_median"] <= 3 else "not met"
-        lines.append(f"| {r['label']} | {r['repeat']} | {m['worst_max_over_median']:.2f} "
-                     f"({verdict}) "
-                     f"| {m['worst_max_gap_s']:.3f} s | {m['median_gap_s'] * 1e3:.0f} ms "
-                     f"| {m['tpot_p95_s'] * 1e3:.0f} ms | {m['long_ttft_p50_s']:.2f} s / "
-                     f"{m['long_ttft_max_s']:.2f} s | {m['streams_outlasting_window']}"
-                     f"/{len(m['streams'])} |")
-    return "\n".join(lines)
+        rows.append([r["label"], r["repeat"], f"{m['worst_max_over_median']:.2f} ({verdict})",
+                     f"{m['worst_max_gap_s']:.3f} s", f"{m['median_gap_s'] * 1e3:.0f} ms",
+                     f"{m['tpot_p95_s'] * 1e3:.0f} ms",
+                     f"{m['long_ttft_p50_s']:.2f} s / {m['long_ttft_max_s']:.2f} s",
+                     f"{m['streams_outlasting_window']}/{len(m['streams'])}"])
+    return "\n".join(pipe_table(
+        ["server", "repeat", "worst largest gap / median (target <= 3)", "worst largest gap",
+         "median gap", "TPOT p95", "long-prompt TTFT p50 / max",
+         "streams outlasting the window"], rows))
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--streams", type=int, default=16)
-    ap.add_argument("--stream-tokens", type=int, default=320)
-    ap.add_argument("--long", type=int, default=8)
-    ap.add_argument("--long-min", type=int, default=1000)
-    ap.add_argument("--long-max", type=int, default=1800)
-    ap.add_argument("--arrival-seconds", type=float, default=3.0)
-    ap.add_argument("--budgets", default="128,256",
-                    help="comma-separated --max-num-batched-tokens values for this tree, each "
-                         "with --stall-ratio 0")
-    ap.add_argument("--stall-ratios", default="2.5",
-                    help="comma-separated --stall-ratio values for this tree")
-    ap.add_argument("--checkout", type=Path, default=None)
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=Path("bench/results/stall.json"))
-    ap.add_argument("--doc", type=Path, default=None, help="also write the report (markdown)")
-    args = ap.parse_args(argv)
+    args = parse_args(
+        __doc__, "stall", argv, streams=16, stream_tokens=320, long=8, long_min=1000,
+        long_max=1800, arrival_seconds=3.0,
+        budgets=Opt("128,256", help="comma-separated --max-num-batched-tokens values for this "
+                                    "tree, each with --stall-ratio 0"),
+        stall_ratios=Opt("2.5", help="comma-separated --stall-ratio values for this tree"),
+        checkout=CHECKOUT, repeats=1, seed=0)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(local_model_dir())
     messages, prompts = workload(tokenizer, args.streams, args.long, args.long_min,
                                  args.long_max, args.seed)
-    configs: list[tuple[str, Path | None, list[str]]] = []
+    configs: list[ServerSpec] = []
     if args.checkout is not None:
-        configs.append((f"commit {provenance.commit_of(args.checkout)}", args.checkout, []))
+        configs.append(ServerSpec(f"commit {provenance.commit_of(args.checkout)}", "app",
+                                  checkout=args.checkout))
     for b in [int(x) for x in args.budgets.split(",") if x.strip()]:
-        configs.append((f"budget {b}", None, ["--max-num-batched-tokens", str(b),
-                                               "--stall-ratio", "0"]))
+        configs.append(ServerSpec(f"budget {b}", "app", ("--max-num-batched-tokens", str(b),
+                                                         "--stall-ratio", "0")))
     for r in [float(x) for x in args.stall_ratios.split(",") if x.strip()]:
-        configs.append((f"stall ratio {r:g}", None, ["--stall-ratio", str(r)]))
+        configs.append(ServerSpec(f"stall ratio {r:g}", "app", ("--stall-ratio", str(r))))
     runs = []
     for repeat in range(args.repeats):
-        for label, checkout, extra in configs:
-            port = free_port()
-            proc = start_server(checkout, port, extra)
-            try:
-                result = asyncio.run(measure(f"http://127.0.0.1:{port}", messages, prompts,
+        for spec in configs:
+            with ServerProcess(spec, None, server_log(args.out, spec.label),
+                               stop_timeout=60) as server:
+                result = asyncio.run(measure(server.base_url, messages, prompts,
                                              args.stream_tokens, args.arrival_seconds))
-            finally:
-                proc.terminate()
-                proc.wait(60)
-            runs.append({"label": label, "repeat": repeat, "result": result})
-            print(f"[stall] {label} repeat {repeat}: worst gap/median "
+            runs.append({"label": spec.label, "repeat": repeat, "result": result})
+            print(f"[stall] {spec.label} repeat {repeat}: worst gap/median "
                   f"{result['worst_max_over_median']}", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    data = {"meta": {"command": provenance.command(argv, "bench.stall"),
-                     "machine": provenance.machine(), "versions": provenance.versions(),
-                     "args": {k: str(v) if isinstance(v, Path) else v
-                              for k, v in vars(args).items()}, "finished": provenance.now()},
-            "runs": runs}
-    args.out.write_text(json.dumps(data, indent=1) + "\n")
-    text = report(runs)
-    print(text)
-    if args.doc is not None:
-        args.doc.parent.mkdir(parents=True, exist_ok=True)
-        args.doc.write_text(doc_section(data, text))
-    print(f"wrote {args.out}")
-
-
-def doc_section(data: dict, table: str) -> str:
-    meta = data["meta"]
-    a, m = meta["args"], meta["machine"]
-    command = meta["command"]
-    if a.get("checkout"):
-        command = command.replace(a["checkout"], "DIR")  # no local paths in the docs
-    return (f"### Long prompts arriving while streams decode\n\n`{command}`: {a['streams']} "
-            f"streams, {a['long']} prompts of {a['long_min']}-{a['long_max']} tokens over "
-            f"{a['arrival_seconds']} s. {m.get('cpu')}, {m.get('cores_available')} cores, "
-            f"{meta['finished']}.\n\n{table}\n")
+    data = {"meta": provenance.meta(argv, "bench.stall", args), "runs": runs}
+    publish(data, args.out, report(runs), args.doc, "Long prompts arriving while streams decode",
+            f"{args.streams} streams, {args.long} prompts of {args.long_min}-{args.long_max} "
+            f"tokens over {args.arrival_seconds} s.")
 
 
 if __name__ == "__main__":

@@ -28,20 +28,16 @@ Both phases run on one server; figures compare within this run only.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import time
-from pathlib import Path
 
 import httpx
 
-from bench import provenance
-from bench.common import publish
-from bench.large_body import StreamTrace, start_server
+from bench import harness, provenance
 from bench.loadgen import closed_loop
 from bench.scrape import scrape
-from bench.servers import free_port, local_model_dir
+from bench.servers import ServerProcess, ServerSpec, local_model_dir
 from bench.sharegpt import load_requests
 
 ANSWER_MIN_CHARS = 4000  # longer than any --max-tokens answer: constrained requests run to length
@@ -122,26 +118,22 @@ def _count(values) -> dict:
     return out
 
 
-async def _free_stream(client: httpx.AsyncClient, messages: list[dict], trace: StreamTrace,
-                       max_tokens: int) -> None:
+async def _free_stream(client: httpx.AsyncClient, messages: list[dict],
+                       into: harness.StreamTrace, max_tokens: int) -> None:
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "logprobs": True, "stream": True}
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: {") and '"logprobs":{' in line:
-                trace.times.append(time.perf_counter())
+    await harness.trace(client, "/v1/chat/completions", body, into,
+                        lambda p: p.startswith("{") and '"logprobs":{' in p)
 
 
 async def _ttft(client: httpx.AsyncClient, messages: list[dict], schema: dict) -> float:
     body = {"messages": messages, "max_tokens": 4, "temperature": 0, "stream": True,
             "response_format": response_format(schema)}
     sent = time.perf_counter()
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: {") and '"content":""' not in line:
-                return time.perf_counter() - sent
+    async with harness.sse(client, "/v1/chat/completions", body) as stream:
+        async for payload, at in stream:
+            if payload.startswith("{") and '"content":""' not in payload:
+                return at - sent
     raise RuntimeError("no content came back")
 
 
@@ -149,13 +141,10 @@ async def new_schemas(url: str, streams: list[list[dict]], probe: list[dict], fr
                       stream_tokens: int) -> dict:
     limits = httpx.Limits(max_connections=len(streams) + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        traces = [StreamTrace() for _ in streams]
+        traces = [harness.StreamTrace() for _ in streams]
         tasks = [asyncio.create_task(_free_stream(client, m, t, stream_tokens))
                  for m, t in zip(streams, traces)]
-        while min(len(t.times) for t in traces) < 5:
-            if any(t.done() for t in tasks):
-                await asyncio.gather(*tasks)
-            await asyncio.sleep(0.02)
+        await harness.until_streaming(traces, tasks, 5)
         schemas = [answer_schema(f"_{time.time_ns()}_{i}") for i in range(fresh)]
         t0 = time.perf_counter()
         first = [await _ttft(client, probe, s) for s in schemas]
@@ -179,7 +168,7 @@ async def new_schemas(url: str, streams: list[list[dict]], probe: list[dict], fr
             "window_s": round(t1 - t0, 2)}
 
 
-def _gap_ratios(traces: list[StreamTrace], start: float, end: float) -> list[float]:
+def _gap_ratios(traces: list[harness.StreamTrace], start: float, end: float) -> list[float]:
     """Each stream's largest inter-token gap within [start, end] over its median gap."""
     out = []
     for t in traces:
@@ -197,15 +186,16 @@ def report(data: dict) -> str:
     free, constrained = data["throughput"]
     ratio = constrained["output_tokens_per_s"] / free["output_tokens_per_s"]
     verdict = "met" if ratio >= 0.85 else "not met"
-    lines = ["| kind (runs pooled) | requests | output tokens | wall | output tokens/s | TTFT p50 "
-             "| finish reasons | mask cost per token |", "|---|---|---|---|---|---|---|---|"]
+    rows = []
     for r in (free, constrained):
         name = "JSON schema" if r["constrained"] else "no schema (ignore_eos)"
         mask = f"{r['mask_us_per_token']} µs" if r["mask_us_per_token"] is not None else "-"
-        lines.append(f"| {name} ({r.get('runs', 1)}) | {r['requests']} ({r['failed']} failed) "
-                     f"| {r['output_tokens']} "
-                     f"| {r['wall_s']} s | {r['output_tokens_per_s']} | {r['ttft_p50_s']} s "
-                     f"| {r['finish_reasons']} | {mask} |")
+        rows.append([f"{name} ({r.get('runs', 1)})", f"{r['requests']} ({r['failed']} failed)",
+                     r["output_tokens"], f"{r['wall_s']} s", r["output_tokens_per_s"],
+                     f"{r['ttft_p50_s']} s", r["finish_reasons"], mask])
+    lines = harness.pipe_table(["kind (runs pooled)", "requests", "output tokens", "wall",
+                                "output tokens/s", "TTFT p50", "finish reasons",
+                                "mask cost per token"], rows)
     lines.append(f"\nConstrained / free output tokens/s: **{ratio:.3f}** (target >= 0.85: "
                  f"{verdict}).")
     n = data["new_schemas"]
@@ -223,29 +213,20 @@ def report(data: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--requests", type=int, default=96)
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--fresh", type=int, default=8)
-    ap.add_argument("--streams", type=int, default=16)
-    ap.add_argument("--stream-tokens", type=int, default=200)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--server-arg", action="append", default=[])
-    ap.add_argument("--out", type=Path, default=Path("bench/results/structured.json"))
-    ap.add_argument("--doc", type=Path, default=None)
-    args = ap.parse_args(argv)
+    args = harness.parse_args(__doc__, "structured", argv, concurrency=32, requests=96,
+                              max_tokens=96, fresh=8, streams=16, stream_tokens=200, seed=0,
+                              server_arg=harness.SERVER_ARG)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(local_model_dir())
     reqs = load_requests(tokenizer, args.requests + args.streams + 1, seed=args.seed,
                          min_prompt=16, max_prompt=512)
     messages = [r.messages for r in reqs]
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(None, port, ["--max-rolling-batch-size", str(args.concurrency),
-                                     "--prompt-cache-bytes", "0", *args.server_arg])
-    try:
+    spec = ServerSpec("seqgate", "app", ("--max-rolling-batch-size", str(args.concurrency),
+                                         "--prompt-cache-bytes", "0", *args.server_arg))
+    log = harness.server_log(args.out, "server")
+    with ServerProcess(spec, None, log, stop_timeout=60) as server:
+        url = server.base_url
         work = messages[: args.requests]
         asyncio.run(closed_loop(url, "/v1/chat/completions",
                                 bodies(work[:8], 8, True) + bodies(work[:8], 8, False), 8))
@@ -253,20 +234,15 @@ def main(argv: list[str] | None = None) -> None:
                 for c in (False, True, True, False)]
         fresh = asyncio.run(new_schemas(url, messages[args.requests:-1], messages[-1],
                                         args.fresh, args.stream_tokens))
-    finally:
-        proc.terminate()
-        proc.wait(60)
-    data = {"meta": {"command": provenance.command(argv, "bench.structured"),
-                     "machine": provenance.machine(), "versions": provenance.versions(),
-                     "args": {k: str(v) if isinstance(v, Path) else v
-                              for k, v in vars(args).items()}, "finished": provenance.now()},
+    data = {"meta": provenance.meta(argv, "bench.structured", args),
             "runs": runs, "throughput": [pooled([r for r in runs if r["constrained"] == c])
                                          for c in (False, True)],
             "new_schemas": fresh}
-    publish(data, args.out, report(data), args.doc, "Structured outputs under load",
+    harness.publish(data, args.out, report(data), args.doc, "Structured outputs under load",
             f"{args.requests} ShareGPT chats at concurrency {args.concurrency}, "
             f"{args.max_tokens} tokens each, prefix cache off, each kind run twice (free, "
             f"constrained, constrained, free).")
+
 
 if __name__ == "__main__":
     main()

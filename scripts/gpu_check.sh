@@ -28,9 +28,9 @@ status=0
 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_cuda.py 2>&1 | tee "$OUT/tests.log" \
     || status=1
 for dtype in bf16 fp32; do
-    "$PY" -m bench.throughput --device cuda --dtype "$dtype" --out "$OUT/throughput-$dtype.json" \
+    "$PY" -m bench.studies.throughput --device cuda --dtype "$dtype" --out "$OUT/throughput-$dtype.json" \
         2>&1 | tee "$OUT/throughput-$dtype.log" || status=1
 done
-"$PY" -m bench.overhead --device cuda --out "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" \
+"$PY" -m bench.studies.overhead --device cuda --out "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" \
     || status=1
 exit $status

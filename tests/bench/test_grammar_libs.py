@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import jsonschema
 
-from bench.grammar_libs import SCHEMAS, installed_mib, report
+from bench.studies.grammar_libs import SCHEMAS, installed_mib, report
 
 
 def test_instances_are_valid_for_their_schemas():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.large_body import StreamTrace
+from bench.harness import StreamTrace
 from bench.stall import report, summarize
 
 

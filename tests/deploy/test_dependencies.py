@@ -102,8 +102,8 @@ def test_every_runtime_dependency_has_a_use():
 
 # Imported by a benchmark only when installed by hand, and left undeclared on purpose.
 BENCH_OPTIONAL = {
-    "xgrammar": "bench.grammar_libs compares it with llguidance when it is installed; it pulls "
-                "triton (1 GB), too much for every `make bench`",
+    "xgrammar": "bench.studies.grammar_libs compares it with llguidance when it is installed; "
+                "it pulls triton (1 GB), too much for every `make bench`",
 }
 
 

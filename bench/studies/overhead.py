@@ -1,7 +1,7 @@
 """Scheduler overhead: the engine's decode step vs a bare model forward on the same batch shape.
 
-    python -m bench.overhead [--jobs 32] [--prompt-tokens 100] [--new-tokens 64] [--threads N]
-                             [--repeats 2] [--quick]
+    python -m bench.studies.overhead [--jobs 32] [--prompt-tokens 100] [--new-tokens 64]
+                                     [--threads N] [--repeats 2] [--quick]
 
 The engine runs `--jobs` ShareGPT prompts of similar length (within ±10% of --prompt-tokens),
 greedy, exactly --new-tokens each, driven step by step from this thread (`start(background=False)`,
@@ -28,20 +28,20 @@ import time
 import torch
 from transformers.cache_utils import DynamicCache
 
-from bench.common import (
-    args_dict,
+from bench.harness import markdown_table
+from bench.provenance import jsonable
+from bench.sharegpt import load_requests
+from bench.studies.common import (
     base_parser,
     describe,
     env_info,
     fixed_length,
     load,
     make_engine,
-    markdown_table,
     sync,
     warm_up,
     write_json,
 )
-from bench.sharegpt import load_requests
 from engine.kv.batch import GROWTH_COLUMNS
 from engine.kv.slabs import SlabCache, SlabLayer
 from engine.model.runner import cache_keyword
@@ -237,7 +237,7 @@ def main() -> None:
         print(f"  {label}: {100 * over[key]:+.1f}% ({verdict} the {100 * TARGET:.0f}% target)")
 
     path = write_json("overhead", {
-        "args": args_dict(args),
+        "args": jsonable(args),
         "env": env_info(loaded, args.threads),
         "prompt_tokens": [len(p) for p in prompts],
         "per_step_seconds": {names[k]: d for k, d in parts.items()},

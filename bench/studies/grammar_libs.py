@@ -1,7 +1,7 @@
 """llguidance against xgrammar on our workload: the embedded model's tokenizer (49,152 tokens),
 the schemas our requests carry, one row's mask per token and a batch's mask application.
 
-    python -m bench.grammar_libs [--repeats 5] [--doc docs/benchmarks/grammar.md]
+    python -m bench.studies.grammar_libs [--repeats 5] [--doc docs/benchmarks/grammar.md]
 
 Run by hand when choosing or upgrading the grammar library (xgrammar is not a dependency:
 `pip install xgrammar` first; without it the table has llguidance alone). For each schema and
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from bench import provenance
-from bench.common import publish
+from bench.harness import publish
 from bench.servers import local_model_dir
 from engine.sample.grammar import JSON_STYLE, unpack_bitmask
 
@@ -242,8 +242,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         libraries[lib.name] = {"version": lib.version, "tokenizer_s": lib.tokenizer_s}
         rows += measure(lib, tokenizer, vocab, args.repeats)
-    data = {"meta": {"command": provenance.command(argv, "bench.grammar_libs"),
-                     "machine": provenance.machine(), "finished": provenance.now()},
+    data = {"meta": provenance.meta(argv, "bench.studies.grammar_libs", versions_too=False),
             "libraries": libraries, "missing": missing, "rows": rows,
             "apply_ms": apply_times(vocab), "installed_mib": installed_mib()}
     publish(data, args.out, report(data), args.doc, "Grammar libraries on our workload",

@@ -12,7 +12,7 @@ run without them.
 `--checkout DIR` runs the server from another checkout (`python -m app serve` with DIR as the
 working directory, the same interpreter), to measure an older commit side by side:
     git worktree add /tmp/before <commit>
-    python -m bench.large_body --checkout /tmp/before
+    python -m bench.studies.large_body --checkout /tmp/before
 """
 
 from __future__ import annotations
@@ -20,42 +20,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from bench import provenance
-from bench.servers import free_port
+from bench.harness import RESULTS_DIR, StreamTrace, server_log, trace, until_streaming
+from bench.servers import ServerProcess, ServerSpec
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 CONTROL_SECONDS = 3.0
 
 
-@dataclass
-class StreamTrace:
-    """Arrival times of one stream's content events."""
-
-    times: list[float] = field(default_factory=list)
-
-    def gaps(self, start: float = 0.0, end: float = float("inf")) -> list[float]:
-        """Gaps whose later token arrived within [start, end]."""
-        return [b - a for a, b in zip(self.times, self.times[1:]) if start <= b <= end]
+def _content_event(payload: str) -> bool:
+    return (payload.startswith("{") and '"content":"' in payload
+            and '"content":""' not in payload)
 
 
-async def run_stream(client: httpx.AsyncClient, trace: StreamTrace, max_tokens: int) -> None:
+async def run_stream(client: httpx.AsyncClient, into: StreamTrace, max_tokens: int) -> None:
     body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True}
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
-                trace.times.append(time.perf_counter())
+    await trace(client, "/v1/chat/completions", body, into, _content_event)
 
 
 def large_bodies(count: int, mib: float, kind: str = "mixed") -> list[tuple[str, dict | bytes]]:
@@ -87,8 +74,7 @@ async def measure(url: str, streams: int, max_tokens: int, bodies: int, mib: flo
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         traces = [StreamTrace() for _ in range(streams)]
         tasks = [asyncio.create_task(run_stream(client, t, max_tokens)) for t in traces]
-        while min(len(t.times) for t in traces) < 10:
-            await asyncio.sleep(0.05)
+        await until_streaming(traces, tasks, 10, check=False)
         payloads = [(path, body if isinstance(body, bytes) else json.dumps(body).encode())
                     for path, body in large_bodies(bodies, mib, kind)]
         # Steady state first: the same length of time without a large body, as the control.
@@ -120,25 +106,6 @@ async def measure(url: str, streams: int, max_tokens: int, bodies: int, mib: flo
             "target": 3.0, "passed": worst <= 3.0}
 
 
-def start_server(checkout: Path | None, port: int, extra: list[str]) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "app", "serve", "--port", str(port), *extra]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(argv, cwd=checkout or Path(__file__).resolve().parents[1], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("the server did not become ready")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=16)
@@ -151,16 +118,13 @@ def main() -> None:
     parser.add_argument("--checkout", type=Path, default=None)
     parser.add_argument("--server-arg", action="append", default=[])
     args = parser.parse_args()
-    port = free_port()
-    proc = start_server(args.checkout, port, args.server_arg)
-    try:
-        result = asyncio.run(measure(f"http://127.0.0.1:{port}", args.streams, args.max_tokens,
+    spec = ServerSpec("seqgate", "app", tuple(args.server_arg), checkout=args.checkout)
+    log = server_log(RESULTS_DIR / "large_body.json", "server")
+    with ServerProcess(spec, None, log, stop_timeout=60) as server:
+        result = asyncio.run(measure(server.base_url, args.streams, args.max_tokens,
                                      args.bodies, args.body_mib, args.kind))
-    finally:
-        proc.terminate()
-        proc.wait(60)
     result["machine"] = provenance.machine()
-    result["command"] = provenance.command(module="bench.large_body")
+    result["command"] = provenance.command(module="bench.studies.large_body")
     result["checkout"] = "other" if args.checkout else "this"
     print(json.dumps(result, indent=1))
 

@@ -1,26 +1,25 @@
-"""Shared pieces of the benchmark scripts: flags, threads, model, engine runs, HF baselines, stats,
-tables and the results folder (bench/results/, git-ignored)."""
+"""Shared pieces of the in-process engine studies (no server): flags, threads, model, engine runs,
+transformers baselines, stats, and their results files (bench/results/<study>.json, git-ignored).
+Tables and paths come from bench/harness.py, which the scenarios share."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from bench.harness import RESULTS_DIR
+from bench.harness import write_json as _write
 from engine import Engine, EngineConfig, LoadedModel, SamplingParams, StepStats, load_model
 from engine.config import default_num_threads
-
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-DOCS_DIR = Path(__file__).resolve().parent.parent / "docs"
 
 
 # -- flags, threads, model -------------------------------------------------------------------------
@@ -46,11 +45,6 @@ def setup_threads(threads: int) -> int:
     """Use `threads` intra-op threads in the calling thread (the engine sets its own thread's)."""
     torch.set_num_threads(threads)
     return threads
-
-
-def load_tokenizer():
-    """The embedded default model's tokenizer (loads the model: a few seconds)."""
-    return load_model(EngineConfig()).tokenizer
 
 
 def load(threads: int, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
@@ -235,56 +229,10 @@ def warm_up(loaded: LoadedModel) -> None:
 
 
 # -- output ---------------------------------------------------------------------------------------
-def fmt(value, digits: int = 2) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:,.{digits}f}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)
-
-
-def markdown_table(headers: Sequence[str], rows: Iterable[Sequence]) -> str:
-    """A GitHub markdown table; floats with two decimals, ints with thousands separators."""
-    rows_list = [list(row) for row in rows]
-    cells = [[str(h) for h in headers]] + [[fmt(v) for v in row] for row in rows_list]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(cells[0], widths)) + " |",
-             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    for raw, r in zip(rows_list, cells[1:]):  # text left, numbers right
-        lines.append("| " + " | ".join(c.rjust(w) if isinstance(v, (int, float)) else c.ljust(w)
-                                       for v, c, w in zip(raw, r, widths)) + " |")
-    return "\n".join(lines)
-
-
 def mib(nbytes: int | None) -> float | None:
     return None if nbytes is None else nbytes / 2**20
 
 
-def args_dict(args: argparse.Namespace) -> dict:
-    """Parsed flags as JSON-ready values."""
-    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-
-
 def write_json(name: str, data: dict, path: Path | None = None) -> Path:
     """Write results to `path` or bench/results/<name>.json; returns where."""
-    path = path or RESULTS_DIR / f"{name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    return path
-
-
-def publish(data: dict, out: Path, report: str, doc: Path | None, heading: str,
-            workload: str) -> None:
-    """Write the results to `out` (JSON) and print the report; with `doc`, also write it as a
-    markdown section: `heading`, the command that measured it, `workload`, the machine."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1) + "\n")
-    print(report)
-    if doc is not None:
-        meta, m = data["meta"], data["meta"]["machine"]
-        doc.parent.mkdir(parents=True, exist_ok=True)
-        doc.write_text(f"### {heading}\n\n`{meta['command']}`: {workload} {m.get('cpu')}, "
-                       f"{m.get('cores_available')} cores, {meta['finished']}.\n\n{report}\n")
-    print(f"wrote {out}")
+    return _write(path or RESULTS_DIR / f"{name}.json", data, indent=2)

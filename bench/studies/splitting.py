@@ -1,7 +1,7 @@
 """Max-sparsity splitting: KV memory, padding and step time, max_splits=1 vs the defaults.
 
-    python -m bench.splitting [--prompts 32] [--min-len 8] [--max-len 1000] [--new-tokens 32]
-                              [--configs all|main] [--threads N] [--quick]
+    python -m bench.studies.splitting [--prompts 32] [--min-len 8] [--max-len 1000]
+                                      [--new-tokens 32] [--configs all|main] [--threads N] [--quick]
 
 One batch whose prompt lengths span two orders of magnitude (log-spaced from --min-len to
 --max-len tokens, cut from ShareGPT user text, submitted at once in a shuffled order), greedy,
@@ -18,20 +18,20 @@ from __future__ import annotations
 
 import random
 
-from bench.common import (
-    args_dict,
+from bench.harness import markdown_table
+from bench.provenance import jsonable
+from bench.sharegpt import text_token_ids
+from bench.studies.common import (
     base_parser,
     env_info,
     fixed_length,
     load,
     make_engine,
-    markdown_table,
     mib,
     run_engine,
     warm_up,
     write_json,
 )
-from bench.sharegpt import text_token_ids
 
 CONFIGS = {  # label: (max_sparsity, max_splits, fuse_sub_batches)
     "no split (max_splits=1)": (0.33, 1, False),
@@ -122,7 +122,7 @@ def main() -> None:
           f"preallocated growth columns. Decode-step means include steps that admit or regroup.")
 
     path = write_json("splitting", {
-        "args": args_dict(args),
+        "args": jsonable(args),
         "env": env_info(loaded, args.threads),
         "prompt_lengths_in_arrival_order": lengths,
         "output_tokens": out_tokens,

@@ -1,6 +1,7 @@
 """Output tokens/s of contrastive search against greedy on the engine, in one process.
 
-    python -m bench.contrastive [--num-prompts 32] [--max-tokens 64] [--top-k 4] [--threads N]
+    python -m bench.studies.contrastive [--num-prompts 32] [--max-tokens 64] [--top-k 4]
+                                        [--threads N]
 
 The same ShareGPT prompts run once per strategy, every request submitted at once to a background
 engine whose rolling batch holds them all (concurrency = --num-prompts). Every request generates
@@ -8,23 +9,24 @@ exactly --max-tokens (EOS blocked until then), so both strategies produce equal 
 Writes bench/results/contrastive.json.
 
 It uses only the engine's public API, so it also measures another checkout's engine: run it as a
-file with PYTHONPATH pointing to that checkout (`PYTHONPATH=<checkout> python bench/contrastive.py
---out <path>`, from a directory that is not a checkout).
+file with PYTHONPATH pointing to that checkout (`PYTHONPATH=<checkout> python
+bench/studies/contrastive.py --out <path>`, from a directory that is not a checkout; the checkout
+must hold bench/studies/common.py and bench/harness.py, or run an older copy of this file there).
 """
 
 from __future__ import annotations
 
-from bench.common import (
-    args_dict,
+from bench.harness import markdown_table
+from bench.provenance import jsonable
+from bench.sharegpt import load_requests
+from bench.studies.common import (
     base_parser,
     env_info,
     load,
     make_engine,
-    markdown_table,
     run_engine,
     write_json,
 )
-from bench.sharegpt import load_requests
 from engine import SamplingParams
 
 
@@ -74,7 +76,7 @@ def main() -> None:
                f"vs {rows[0][0]}"]
     print()
     print(markdown_table(headers, rows))
-    results = {"args": args_dict(args), "env": env_info(loaded, args.threads),
+    results = {"args": jsonable(args), "env": env_info(loaded, args.threads),
                "results": [dict(zip(headers, r)) for r in rows]}
     path = write_json("contrastive", results, args.out)
     print(f"wrote {path}")

@@ -1,7 +1,7 @@
 """Output tokens/s: the engine (rolling batch) vs transformers `generate`, in the same process.
 
-    python -m bench.throughput [--num-prompts 64] [--max-tokens 128] [--baseline-a-prompts 16]
-                               [--threads N] [--quick]
+    python -m bench.studies.throughput [--num-prompts 64] [--max-tokens 128]
+                                       [--baseline-a-prompts 16] [--threads N] [--quick]
 
 Methods, all greedy on the same ShareGPT prompts, each request generating exactly its budget
 (min(reply tokens, --max-tokens); EOS blocked until then, on every side) so the work is equal:
@@ -15,22 +15,22 @@ Writes bench/results/throughput.json.
 
 from __future__ import annotations
 
-from bench.common import (
-    args_dict,
+from bench.harness import markdown_table
+from bench.provenance import jsonable
+from bench.sharegpt import load_requests
+from bench.studies.common import (
     base_parser,
     env_info,
     fixed_length,
     hf_generate,
     load,
     make_engine,
-    markdown_table,
     mib,
     run_engine,
     timed,
     warm_up,
     write_json,
 )
-from bench.sharegpt import load_requests
 from engine import EngineConfig
 
 STATIC_BATCH = 8
@@ -118,7 +118,7 @@ def main() -> None:
           f"(padded fp32 batches may flip near-tied tokens)")
 
     path = write_json("throughput", {
-        "args": args_dict(args),
+        "args": jsonable(args),
         "env": env_info(loaded, args.threads),
         "requests": {"count": len(reqs), "prompt_tokens": [len(p) for p in prompts],
                      "budgets": budgets},
