@@ -24,6 +24,7 @@ from engine.sample.sampling import (
     logprobs_for,
     sample_rows,
 )
+from engine.sched.stops import at_length, token_stop
 
 log = logging.getLogger("seqgate.engine")
 
@@ -201,8 +202,8 @@ class TokenDecoder:
         return list(zip(slots, lps))
 
     def accept(self, s: Sequence, tok: int, lp) -> None:
-        """Record a chosen token and apply the stop conditions."""
-        p = s.params
+        """Record a chosen token and apply the stop conditions: by id (engine.sched.stops),
+        then by text (the detokenizer and the stop strings)."""
         s.generated.append(tok)
         s.out_tokens.append(tok)
         s.pending_token = tok
@@ -217,10 +218,8 @@ class TokenDecoder:
             # with, e.g. a character in an unassigned plane, as if its lead byte were
             # already written).
             fail(s, f"the output left its grammar: {s.matcher.get_error()}", "grammar")
-        elif tok in self.eos_ids and not p.ignore_eos:
-            s.status = SeqStatus.EOS
-        elif tok in p.stop_token_ids:
-            s.status = SeqStatus.STOP_TOKEN
+        elif (stop := token_stop(s, tok, self.eos_ids)) is not None:
+            s.status = stop
         else:
             text, stopped = s.stops.feed(s.detok.push(tok))
             s.out_text.append(text)
@@ -228,9 +227,7 @@ class TokenDecoder:
                 s.status = SeqStatus.STOP_STRING
             elif s.matcher is not None and s.matcher.is_stopped():
                 s.status = SeqStatus.GRAMMAR  # the grammar is complete: nothing may follow
-        if not s.status.finished and (
-            len(s.generated) >= p.max_new_tokens or s.kv_len + 1 >= self.max_model_len
-        ):
+        if not s.status.finished and at_length(s, self.max_model_len):
             s.status = SeqStatus.LENGTH
         if s.status.finished and s.status not in (SeqStatus.STOP_STRING, SeqStatus.ERROR):
             # Text held back for an incomplete character or a partial stop match goes out now.
