@@ -1,19 +1,25 @@
 """Kernels of our own, compiled for the host CPU the first time they are needed.
 
 One so far: attention of one query token per row over a rolling batch's KV slab
-(`csrc/decode_attention.cpp`), for bf16 on the CPU. PyTorch's CPU flash-attention kernel is
+(`csrc/decode_attention.cpp`), bf16 or fp32, on the CPU. PyTorch's CPU flash-attention kernel is
 built for long query blocks; with one query per row it read the KV at about 8 GB/s and took
 29-40% of a decode step's CPU time at 32 rows (torch.profiler, docs/benchmarks/speed.md). No
 well-kept library ships a CPU decode-attention kernel for this torch (IPEX stopped at 2.8,
 vLLM's and llama.cpp's are inside their own servers), so this is a small one of ours.
 
+It is written over ATen's `Vectorized<float>`, as PyTorch's own CPU kernels are, and built for
+the best vector instruction set the CPU has: AVX512 (F, BW, VL, DQ), else AVX2 (with FMA and
+F16C), else NEON on ARM; a CPU with none of them runs PyTorch's SDPA. `SEQGATE_KERNEL_ISA=avx2`
+builds the AVX2 kernel on an AVX512 CPU (to test that path there); naming one the CPU lacks
+leaves attention to SDPA. The library registers `torch.ops.seqgate.decode_attention` (and
+`instantiated`, `instruction_set`); one build of it can be loaded per process.
+
 It is built with torch's own extension builder (`torch.utils.cpp_extension`, ninja and the
-system's C++ compiler) with `-march=native`, into the cache directory under a name keyed by its
-source, the flags, the compiler, Python and torch (versions and places) and the CPU's
-instruction-set flags: a cache shared by machines of different CPUs never hands one the other's
-binary. The first build takes about 25 s on 2 cores; later starts load it in well under a
-second. Where it cannot be built (no compiler, no ninja), the engine logs why once and runs
-PyTorch's SDPA as before.
+system's C++ compiler) into the cache directory under a name keyed by its source, the flags,
+the compiler, Python and torch (versions and places) and the CPU's instruction-set flags: a
+cache shared by machines of different CPUs never hands one the other's binary. The first build
+takes about 30 s on 2 cores; later starts load it in well under a second. Where it cannot be
+built (no compiler, no ninja), the engine logs why once and runs PyTorch's SDPA as before.
 """
 
 from __future__ import annotations
@@ -30,20 +36,46 @@ import sysconfig
 import threading
 import time
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
 log = logging.getLogger("seqgate.native")
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
-FLAGS = ("-O3", "-march=native")
+# OpenMP: without it `at::parallel_for` runs on one thread (it links to torch's own libgomp).
+FLAGS = ("-O3", "-fopenmp")
+ISA_ENV = "SEQGATE_KERNEL_ISA"
+
+# What each instruction set needs of the CPU, and its flags: ATen's vector headers pick their
+# implementation by the CPU_CAPABILITY_* macro, and the -m flags (PyTorch's own for these
+# builds) let the compiler emit its instructions. On ARM, NEON is ATen's default.
+_ISAS = {
+    "avx512": ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"},
+               ("-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                "-mavx512dq", "-mfma")),
+    "avx2": ({"avx2", "fma", "f16c"}, ("-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c")),
+    "neon": ({"asimd"}, ()),
+}
 
 _lock = threading.Lock()
-_built: dict[Path, ModuleType | None] = {}
+_built: dict[Path, DecodeAttention | None] = {}
+_library: Path | None = None  # the build loaded in this process
 
 
-# The CPU features `-march=native` compiles for (not the mitigation flags, which change with
+class DecodeAttention:
+    """The loaded kernel's operators: `decode_attention(query, key, value, mask, scale)` (the
+    attention, or None for a call it does not take: then SDPA), `instantiated(dtype, head_dim,
+    groups)` and `instruction_set()`."""
+
+    def __init__(self, library: Path):
+        ops = torch.ops.seqgate
+        self.library = library
+        self.decode_attention = ops.decode_attention.default
+        self.instantiated = ops.instantiated.default
+        self.instruction_set = ops.instruction_set.default
+
+
+# The CPU features the build is keyed on (not the mitigation flags, which change with
 # microcode and kernel updates and would only cost rebuilds).
 _ISA = re.compile(r"^(sse|ssse|avx|fma|f16c|bmi|amx|vnni|vaes|vpclmul|gfni|movbe|popcnt|lzcnt|"
                   r"abm|adx|sha|asimd|sve|neon|fp|fphp)")
@@ -77,13 +109,33 @@ def _installation() -> tuple[str, str]:
     return str(Path(torch.__file__).parent), sysconfig.get_paths()["include"]
 
 
-def build_key() -> str:
-    """What a built kernel depends on: source, flags, compiler, Python, torch (version and
-    place), the CPU's ISA."""
-    isa = " ".join(sorted(f for f in _cpu_flags().split() if _ISA.match(f)))
+def instruction_set() -> str | None:
+    """The vector instruction set to build for: `SEQGATE_KERNEL_ISA`'s where set (ValueError if
+    this CPU lacks it), else the best this CPU has; None where it has none."""
+    flags = set(_cpu_flags().split())
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if forced:
+        if forced not in _ISAS:
+            raise ValueError(f"{ISA_ENV}={forced}: not one of {', '.join(_ISAS)}")
+        if not _ISAS[forced][0] <= flags:
+            raise ValueError(f"{ISA_ENV}={forced}: this CPU lacks "
+                             f"{', '.join(sorted(_ISAS[forced][0] - flags))}")
+        return forced
+    return next((isa for isa, (needs, _) in _ISAS.items() if needs <= flags), None)
+
+
+def _flags(isa: str) -> list[str]:
+    return [*FLAGS, *_ISAS[isa][1]]
+
+
+def build_key(isa: str | None = None) -> str:
+    """What a built kernel depends on: source, flags (the instruction set's among them),
+    compiler, Python, torch (version and place), the CPU's ISA."""
+    isa = isa or instruction_set() or "none"
+    cpu = " ".join(sorted(f for f in _cpu_flags().split() if _ISA.match(f)))
     h = hashlib.sha256(SOURCE.read_bytes())
-    for part in (*FLAGS, _compiler(), platform.python_version(), torch.__version__,
-                 *_installation(), isa):
+    for part in (*(_flags(isa) if isa in _ISAS else FLAGS), _compiler(),
+                 platform.python_version(), torch.__version__, *_installation(), cpu):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
 
@@ -95,36 +147,40 @@ def _failure(exc: Exception) -> str:
     return (errors[0] if errors else lines[-1] if lines else type(exc).__name__)[:300]
 
 
-def decode_attention_kernel(cache_dir: Path) -> ModuleType | None:
-    """The decode-attention extension module (its `decode_attention(query, key, value, mask,
-    scale)`), built under `cache_dir/kernels` on first use; None where it cannot be built."""
-    name = f"seqgate_decode_attention_{build_key()}"
+def decode_attention_kernel(cache_dir: Path) -> DecodeAttention | None:
+    """The decode-attention kernel's operators, built under `cache_dir/kernels` on first use;
+    None where it cannot be built or this CPU has no vector instruction set it is built for."""
+    try:
+        isa = instruction_set()
+    except ValueError as exc:
+        log.warning("decode attention kernel unavailable, using PyTorch's SDPA (%s)", exc)
+        return None
+    if isa is None:
+        log.info("decode attention kernel: no AVX2, AVX512 or NEON on this CPU, "
+                 "using PyTorch's SDPA")
+        return None
+    name = f"seqgate_decode_attention_{build_key(isa)}"
     where = Path(cache_dir) / "kernels" / name
     with _lock:
         if where in _built:
             return _built[where]
         start = time.perf_counter()
         try:
-            module = _build(name, where)
+            kernel = _build(name, where, isa)
         except Exception as exc:  # no compiler, no ninja, a failed build: SDPA instead
             log.warning("decode attention kernel unavailable, using PyTorch's SDPA (%s)",
                         _failure(exc))
             log.debug("decode attention kernel build failed", exc_info=True)
-            module = None
+            kernel = None
         else:
-            isa = module.instruction_set()
-            if isa == "scalar":  # no vector path for this CPU: SDPA is faster
-                log.info("decode attention kernel: no AVX512 on this CPU, using PyTorch's SDPA")
-                module = None
-            else:
-                log.info("decode attention kernel (%s) ready in %.1f s (%s)",
-                         isa, time.perf_counter() - start, where)
-        _built[where] = module
-        return module
+            log.info("decode attention kernel (%s) ready in %.1f s (%s)",
+                     kernel.instruction_set(), time.perf_counter() - start, where)
+        _built[where] = kernel
+        return kernel
 
 
-def _build(name: str, where: Path) -> ModuleType:
-    """Build (or load) the extension in `where`, one process at a time.
+def _build(name: str, where: Path, isa: str) -> DecodeAttention:
+    """Build (or load) the library in `where`, one process at a time, and load it.
 
     torch's builder waits, without a deadline, for a `lock` file that a process killed while
     building (a container stopped during the first start) leaves behind. Builds here are
@@ -135,9 +191,16 @@ def _build(name: str, where: Path) -> ModuleType:
     compile command changes, and the command names the source's path, so two checkouts sharing
     a cache and an installation would otherwise rebuild (25-30 s) each time the other had
     started. The directory's name is keyed by the source's content, so the copy is always the
-    same (and by the installation, whose paths the command names too: `_installation`)."""
+    same (and by the installation, whose paths the command names too: `_installation`).
+
+    The library registers the `seqgate` operators when it is loaded, which a second, different
+    build would do again: torch aborts the process then, so a process loads one build only."""
     from torch.utils import cpp_extension
 
+    global _library
+    library = where / f"{name}.so"
+    if _library is not None and _library != library:
+        raise RuntimeError(f"another build of the kernel is loaded in this process ({_library})")
     where.mkdir(parents=True, exist_ok=True)
     with open(where.parent / f"{name}.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
@@ -147,7 +210,10 @@ def _build(name: str, where: Path) -> ModuleType:
             text = SOURCE.read_bytes()
             if not source.is_file() or source.read_bytes() != text:
                 source.write_bytes(text)
-            return cpp_extension.load(name, [str(source)], extra_cflags=list(FLAGS),
-                                      build_directory=str(where), verbose=False)
+            cpp_extension.load(name, [str(source)], extra_cflags=_flags(isa),
+                               extra_ldflags=["-fopenmp"], build_directory=str(where),
+                               is_python_module=False, verbose=False)
         finally:
             fcntl.flock(held, fcntl.LOCK_UN)
+    _library = library
+    return DecodeAttention(library)

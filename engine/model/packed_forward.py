@@ -155,8 +155,8 @@ def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, 
     the same product with the query heads of a group stacked as rows (SmolLM2-135M, bf16, 2
     threads, 300 keys: 273 vs 85 µs per layer). transformers stacks them itself when a mask is
     given; this does it in every case where the mask is shared by all heads. Where
-    `use_decode_kernel` gave the layer engine.kernels.decode_attention's kernel and the call fits it
-    (`_native_fits`), the kernel runs instead."""
+    `use_decode_kernel` gave the layer engine.kernels.decode_attention's kernel and the kernel
+    takes the call, it runs instead."""
     groups = getattr(module, "num_key_value_groups", 1)
     rows, heads, q_len, dim = query.shape
     if (q_len != 1 or dropout or kwargs.get("softcap") is not None
@@ -165,11 +165,13 @@ def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, 
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     kernel = getattr(module, DECODE_KERNEL_ATTR, None)
-    if kernel is not None and _native_fits(query, key, value, attention_mask):
-        mask = None if attention_mask is None else attention_mask[:, 0, 0]
-        scale = scaling if scaling is not None else dim ** -0.5
-        out = kernel.decode_attention(query[:, :, 0], key, value, mask, scale)
-        return out.view(rows, 1, heads, dim), None
+    if kernel is not None:
+        # The kernel alone says whether a call fits it (None: it does not), so no check kept
+        # here could disagree with its own.
+        out = kernel.decode_attention(query, key, value, attention_mask,
+                                      scaling if scaling is not None else dim ** -0.5)
+        if out is not None:
+            return out, None
     if groups <= 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
@@ -179,39 +181,22 @@ def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, 
     return out.reshape(rows, 1, heads, value.shape[-1]), None
 
 
-def _native_fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 mask: torch.Tensor | None) -> bool:
-    """Whether the compiled decode kernel (engine.kernels.decode_attention) takes this call:
-    everything its checks ask (bf16 on the CPU, matching rows and head dims, whole groups of query
-    heads, head dims contiguous, a [rows, 1, 1, columns] bool mask or none), so that it never
-    refuses one."""
-    rows, heads, _, dim = query.shape
-    return (query.device.type == "cpu" and query.dtype == key.dtype == torch.bfloat16
-            and key.dim() == 4 and value.shape == key.shape and value.dtype == key.dtype
-            and key.shape[0] == rows and key.shape[3] == dim and 0 < key.shape[1]
-            and heads % key.shape[1] == 0
-            and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
-            and (mask is None or (mask.dim() == 4 and mask.dtype == torch.bool
-                                  and mask.shape[:3] == (rows, 1, 1)
-                                  and mask.shape[3] == key.shape[2]
-                                  and mask.stride(-1) == 1)))
-
-
 def use_decode_kernel(model: torch.nn.Module, kernel) -> int:
     """Have `model`'s attention layers run one-query steps through `kernel`
-    (engine.kernels.decode_attention's module; None: PyTorch's SDPA) where it can: the packed
+    (engine.kernels.decode_attention's operators; None: PyTorch's SDPA) where it can: the packed
     dispatcher runs SDPA (`install` on a model whose attention was transformers' SDPA) and the
-    layer's head size and query heads per KV head take the kernel's vector path. Returns how
-    many layers do."""
+    kernel is built for the model's dtype, the layer's head size and query heads per KV head.
+    Returns how many layers do."""
     if getattr(model, _INNER_ATTR, None) is not _sdpa:
         kernel = None
+    dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
     layers = 0
     for module in model.modules():
         groups = getattr(module, "num_key_value_groups", None)
         if groups is None:
             continue
         dim = getattr(module, "head_dim", None)
-        fits = kernel is not None and dim is not None and kernel.vectorised(dim, groups)
+        fits = kernel is not None and dim is not None and kernel.instantiated(dtype, dim, groups)
         setattr(module, DECODE_KERNEL_ATTR, kernel if fits else None)
         layers += fits
     return layers

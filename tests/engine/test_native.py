@@ -1,19 +1,22 @@
 """The compiled decode-attention kernel (engine/kernels/decode_attention.py and its csrc/): it
-builds where a compiler and AVX512 are at hand, computes what PyTorch's SDPA computes (no
-further from an fp32 reference than SDPA itself, in bf16), and the engine routes one-query
-attention through it only where it applies."""
+builds where a compiler and a vector instruction set (AVX512, AVX2, NEON) are at hand, computes
+what PyTorch's SDPA computes (in bf16 no further from an fp32 reference than SDPA itself, in fp32
+within 1e-5), takes only the calls it is built for, and the engine routes one-query attention
+through it only where it applies."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from engine import EngineConfig, LoadedModel, SamplingParams
 from engine.kernels import decode_attention as native
@@ -21,32 +24,35 @@ from engine.model import packed_forward as fused
 from engine.model.loader import default_cache_dir
 
 
-def _avx512() -> bool:
-    """The kernel's vector path: AVX512 F, BW and VL."""
-    flags = set(native._cpu_flags().split())
-    return {"avx512f", "avx512bw", "avx512vl"} <= flags
+def _buildable() -> bool:
+    try:
+        return shutil.which("c++") is not None and native.instruction_set() is not None
+    except ValueError:  # SEQGATE_KERNEL_ISA names an instruction set this CPU lacks
+        return False
 
 
 needs_kernel = pytest.mark.skipif(
-    shutil.which("c++") is None or not _avx512(),
-    reason="the kernel is built only with a C++ compiler, and used only with AVX512")
+    not _buildable(), reason="the kernel is built only with a C++ compiler and AVX2/AVX512/NEON")
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    if shutil.which("c++") is None or not _avx512():
-        pytest.skip("no C++ compiler or no AVX512 here")
-    module = native.decode_attention_kernel(default_cache_dir())
-    assert module is not None, "a compiler and AVX512 are here, yet the kernel did not build"
-    return module
+    if not _buildable():
+        pytest.skip("no C++ compiler or no vector instruction set the kernel is built for here")
+    built = native.decode_attention_kernel(default_cache_dir())
+    assert built is not None, "a compiler and a vector instruction set are here, yet no kernel"
+    return built
 
 
 @needs_kernel
-def test_the_kernel_builds_once_and_says_which_shapes_it_vectorises(kernel):
-    assert kernel.instruction_set() in ("avx512", "avx512-bf16")
+def test_the_kernel_builds_once_and_says_what_it_is_built_for(kernel):
+    assert kernel.instruction_set() == native.instruction_set()
     assert native.decode_attention_kernel(default_cache_dir()) is kernel  # built once
-    assert kernel.vectorised(64, 3) and kernel.vectorised(64, 1)
-    assert not kernel.vectorised(128, 3) and not kernel.vectorised(64, 5)
+    for dtype in (torch.bfloat16, torch.float32):
+        for dim in (64, 128):
+            assert all(kernel.instantiated(dtype, dim, groups) for groups in range(1, 9))
+        assert not kernel.instantiated(dtype, 64, 9) and not kernel.instantiated(dtype, 96, 3)
+    assert not kernel.instantiated(torch.float16, 64, 3)
 
 
 def test_a_new_source_or_new_flags_make_a_new_build(tmp_path, monkeypatch):
@@ -62,6 +68,37 @@ def test_a_new_source_or_new_flags_make_a_new_build(tmp_path, monkeypatch):
     monkeypatch.undo()  # another virtual environment: its headers' paths are in the command
     monkeypatch.setattr(native, "_installation", lambda: ("/other/venv/torch", "/other/include"))
     assert native.build_key() != key
+
+
+AVX512_HOST = "fpu sse sse2 avx avx2 fma f16c avx512f avx512dq avx512bw avx512vl"
+AVX2_HOST = "fpu sse sse2 avx avx2 fma f16c"
+
+
+def test_the_build_is_for_the_best_instruction_set_the_cpu_has(monkeypatch):
+    monkeypatch.delenv(native.ISA_ENV, raising=False)
+    for flags, isa in [(AVX512_HOST, "avx512"), (AVX2_HOST, "avx2"), ("fp asimd", "neon"),
+                       ("fpu sse sse2 avx", None)]:
+        monkeypatch.setattr(native, "_cpu_flags", lambda flags=flags: flags)
+        assert native.instruction_set() == isa
+    assert "-DCPU_CAPABILITY_AVX512" in native._flags("avx512")
+    assert "-DCPU_CAPABILITY_AVX2" in native._flags("avx2") and "-mfma" in native._flags("avx2")
+    monkeypatch.setattr(native, "_cpu_flags", lambda: AVX512_HOST)
+    avx512 = native.build_key()
+    monkeypatch.setenv(native.ISA_ENV, "avx2")  # the AVX2 build on an AVX512 CPU
+    assert native.instruction_set() == "avx2" and native.build_key() != avx512
+
+
+def test_an_instruction_set_the_cpu_lacks_leaves_attention_to_sdpa(tmp_path, monkeypatch,
+                                                                     caplog):
+    monkeypatch.setattr(native, "_cpu_flags", lambda: AVX2_HOST)
+    monkeypatch.setenv(native.ISA_ENV, "avx512")
+    with caplog.at_level("WARNING", logger="seqgate.native"):
+        assert native.decode_attention_kernel(tmp_path) is None
+    assert "lacks avx512bw" in caplog.text and "using PyTorch's SDPA" in caplog.text
+    assert not (tmp_path / "kernels").exists()  # nothing was built
+    monkeypatch.setenv(native.ISA_ENV, "sse")
+    with pytest.raises(ValueError, match="not one of"):
+        native.instruction_set()
 
 
 @needs_kernel
@@ -89,7 +126,7 @@ def test_the_same_source_elsewhere_reuses_the_build(kernel, tmp_path):
     elsewhere.write_bytes(native.SOURCE.read_bytes())
     start = ("import sys, pathlib; from engine.kernels import decode_attention as native; "
              "from engine.model.loader import default_cache_dir; "
-             " native.SOURCE = pathlib.Path(sys.argv[1]); "
+             "native.SOURCE = pathlib.Path(sys.argv[1]); "
              "sys.exit(native.decode_attention_kernel(default_cache_dir()) is None)")
     subprocess.run([sys.executable, "-c", start, str(elsewhere)], check=True, timeout=290,
                    cwd=Path(native.__file__).parents[2])
@@ -97,88 +134,160 @@ def test_the_same_source_elsewhere_reuses_the_build(kernel, tmp_path):
     assert str(tmp_path) not in (where / "build.ninja").read_text()
 
 
-def _slab_view(rows, kv_heads, columns, dim, spare=24, gen=None, scale=1.0):
+def _slab_view(rows, kv_heads, columns, dim, spare=24, gen=None, scale=1.0,
+               dtype=torch.bfloat16):
     """KV as the engine holds it: a window of a slab with spare columns."""
     full = torch.randn(rows, kv_heads, columns + spare, dim, generator=gen) * scale
-    return full.to(torch.bfloat16)[:, :, :columns]
+    return full.to(dtype)[:, :, :columns]
 
 
-def _reference(q, k, v, mask, scale):
-    """fp32 attention of bf16 inputs, grouped-query heads repeated."""
-    rows, heads, dim = q.shape
-    groups = heads // k.shape[1]
-    kf = k.float().repeat_interleave(groups, 1)
-    vf = v.float().repeat_interleave(groups, 1)
-    s = torch.einsum("rhd,rhcd->rhc", q.float(), kf) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask[:, None, :], float("-inf"))
-    return torch.einsum("rhc,rhcd->rhd", torch.softmax(s, -1), vf)
+def _query(rows, heads, dim, gen, dtype=torch.bfloat16):
+    """A query as the packed forward hands it over: [rows, heads, 1, dim], a strided view."""
+    packed = (torch.randn(1, heads, rows + 2, dim, generator=gen) * 2).to(dtype)
+    return packed[:, :, 1:rows + 1].transpose(0, 2)
 
 
-@needs_kernel
-@pytest.mark.parametrize("rows,kv_heads,groups,dim", [
-    (1, 3, 3, 64), (5, 3, 3, 64), (4, 2, 1, 64), (3, 1, 4, 64), (2, 2, 2, 64),
-    (3, 2, 5, 64),  # five query heads per KV head: the generic path
-    (2, 2, 3, 16),  # head dim 16: the generic path
-])
-@pytest.mark.parametrize("columns", [1, 15, 16, 17, 47, 200])
-@pytest.mark.parametrize("masking", ["none", "left padding", "scattered"])
-def test_the_kernel_is_as_close_to_fp32_as_sdpa(kernel, rows, kv_heads, groups, dim, columns,
-                                               masking):
-    gen = torch.Generator().manual_seed(rows * 1000 + columns * 10 + groups)
-    heads = kv_heads * groups
-    # the query as the packed forward hands it over: a strided view
-    packed = (torch.randn(1, heads, rows + 2, dim, generator=gen) * 2).to(torch.bfloat16)
-    q = packed[:, :, 1:rows + 1].transpose(0, 2)[:, :, 0]  # [rows, heads, dim], not contiguous
-    k = _slab_view(rows, kv_heads, columns, dim, gen=gen, scale=3.0)
-    v = _slab_view(rows, kv_heads, columns, dim, gen=gen)
-    mask = None
+def _mask(masking, rows, columns, gen):
+    """None, left padding or scattered hidden columns, as [rows, 1, 1, columns] bool."""
+    if masking == "none":
+        return None
     if masking == "left padding":
         starts = torch.randint(0, columns, (rows,), generator=gen)
         mask = torch.arange(columns)[None, :] >= starts[:, None]
-    elif masking == "scattered":
+    else:
         mask = torch.rand(rows, columns, generator=gen) > 0.4
         mask[:, -1] = True
+    return mask[:, None, None, :]
+
+
+def _sdpa(q, k, v, mask, scale):
+    rows, heads, _, dim = q.shape
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.reshape(rows, k.shape[1], heads // k.shape[1], dim), k, v, attn_mask=mask,
+        scale=scale).reshape(rows, 1, heads, dim)
+
+
+SHAPES = [  # rows, KV heads, query heads per KV head, head dim
+    (1, 3, 3, 64), (5, 3, 3, 64), (4, 2, 1, 64), (3, 1, 4, 64), (2, 2, 2, 64), (3, 2, 5, 64),
+    (2, 4, 8, 64),  # TinyLlama's
+    (3, 2, 3, 128), (2, 2, 8, 128), (2, 1, 1, 128), (2, 1, 6, 128),
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,kv_heads,groups,dim", SHAPES)
+@pytest.mark.parametrize("columns", [1, 15, 16, 17, 47, 200])
+@pytest.mark.parametrize("masking", ["none", "left padding", "scattered"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_kernel_computes_what_sdpa_does(kernel, rows, kv_heads, groups, dim, columns,
+                                           masking, dtype):
+    """In bf16 no further from fp32 attention of the same inputs than SDPA; in fp32, SDPA's
+    result within 1e-5."""
+    gen = torch.Generator().manual_seed(rows * 1000 + columns * 10 + groups)
+    q = _query(rows, kv_heads * groups, dim, gen, dtype)
+    k = _slab_view(rows, kv_heads, columns, dim, gen=gen, scale=3.0, dtype=dtype)
+    v = _slab_view(rows, kv_heads, columns, dim, gen=gen, dtype=dtype)
+    mask = _mask(masking, rows, columns, gen)
     scale = dim ** -0.5
     got = kernel.decode_attention(q, k, v, mask, scale)
-    assert got.shape == (rows, heads, dim) and got.dtype == torch.bfloat16
-    sdpa = torch.nn.functional.scaled_dot_product_attention(
-        q.reshape(rows, kv_heads, groups, dim), k, v,
-        attn_mask=None if mask is None else mask[:, None, None, :], scale=scale,
-    ).reshape(rows, heads, dim)
-    want = _reference(q, k, v, mask, scale)
-    err = (got.float() - want).abs().max().item()
-    sdpa_err = (sdpa.float() - want).abs().max().item()
+    assert got.shape == (rows, 1, kv_heads * groups, dim) and got.dtype == dtype
+    sdpa = _sdpa(q, k, v, mask, scale)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, sdpa, rtol=1e-5, atol=1e-5)
+        return
+    want = _sdpa(q.double(), k.double(), v.double(), mask, scale)
+    err = (got.double() - want).abs().max().item()
+    sdpa_err = (sdpa.double() - want).abs().max().item()
     assert err <= max(2 * sdpa_err, 2e-3), (err, sdpa_err)
 
 
 @needs_kernel
-def test_a_nan_among_shown_keys_comes_out_as_nan_as_with_sdpa(kernel):
+def test_calls_the_kernel_is_not_built_for_get_none(kernel):
+    """The kernel alone checks what it takes; anything else gets None (and the caller SDPA)."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = _query(2, 6, 64, gen), _slab_view(2, 2, 30, 64, gen=gen), _slab_view(
+        2, 2, 30, 64, gen=gen)
+    mask = torch.ones(2, 1, 1, 30, dtype=torch.bool)
+    assert kernel.decode_attention(q, k, v, mask, 0.125) is not None
+    for call in [
+        (q.half(), k.half(), v.half(), mask),  # fp16
+        (q.float(), k, v, mask),  # mixed dtypes
+        (_query(2, 6, 16, gen), k[..., :16], v[..., :16], mask),  # head dim 16
+        (_query(2, 18, 64, gen), k, v, mask),  # 9 query heads per KV head
+        (_query(2, 5, 64, gen), k, v, mask),  # not whole groups
+        (q.expand(2, 6, 2, 64), k, v, mask),  # two queries per row
+        (q, k, v[:, :, :29], mask),  # keys and values differ
+        (q, k, v, mask.to(torch.bfloat16)),  # an additive mask
+        (q, k, v, mask[:1]),  # a mask broadcast over rows
+        (q, k, v, torch.ones(2, 1, 1, 60, dtype=torch.bool)[..., ::2]),  # columns strided
+        (q, k[..., ::2], v[..., ::2], mask),  # head dim strided (32 of 64)
+        (q, k[:, :, :0], v[:, :, :0], mask[..., :0]),  # no keys
+    ]:
+        assert kernel.decode_attention(*call, 0.125) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_nan_among_shown_keys_comes_out_as_nan_as_with_sdpa(kernel, dtype):
     gen = torch.Generator().manual_seed(3)
-    k = _slab_view(2, 3, 40, 64, gen=gen)
-    v = _slab_view(2, 3, 40, 64, gen=gen)
+    k = _slab_view(2, 3, 40, 64, gen=gen, dtype=dtype)
+    v = _slab_view(2, 3, 40, 64, gen=gen, dtype=dtype)
     k[1, 0, 7, 5] = float("nan")
-    q = torch.randn(2, 9, 64, generator=gen).to(torch.bfloat16)
-    mask = torch.ones(2, 40, dtype=torch.bool)
-    out = kernel.decode_attention(q, k, v, mask, 0.125)
+    q = torch.randn(2, 9, 1, 64, generator=gen).to(dtype)
+    mask = torch.ones(2, 1, 1, 40, dtype=torch.bool)
+    out = kernel.decode_attention(q, k, v, mask, 0.125)[:, 0]
     assert out[1, :3].isnan().all() and not out[0].isnan().any() and not out[1, 3:].isnan().any()
-    mask[1, 7] = False  # hidden, it is left out
+    mask[1, ..., 7] = False  # hidden, it is left out
     assert not kernel.decode_attention(q, k, v, mask, 0.125).isnan().any()
 
 
 @needs_kernel
+def test_the_kernel_lets_other_python_threads_run(kernel):
+    """Like PyTorch's own operators, it runs without the GIL (the server's threads go on)."""
+    gen = torch.Generator().manual_seed(4)
+    q = _query(8, 16, 128, gen)  # eight query heads per KV head
+    k = _slab_view(8, 2, 24000, 128, gen=gen)
+    calls = 5
+    running = threading.Event()
+    done = threading.Event()
+    seconds: list[float] = []
+
+    def call():
+        running.set()
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            kernel.decode_attention(q, k, k, None, 0.1)
+            seconds.append(time.perf_counter() - t0)
+        done.set()
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    running.wait()
+    turns = 0
+    while not done.is_set():
+        turns += 1
+        done.wait(0.001)
+    worker.join()
+    # Holding the GIL, it would leave this thread a turn between calls only; released, this
+    # thread takes a turn every millisecond or so while the calls run.
+    assert turns > calls + sum(seconds) * 1000 / 4, (turns, seconds)
+
+
+@needs_kernel
 def test_sdpa_dispatch_takes_the_kernel_only_where_it_applies(kernel):
-    """`fused._sdpa` hands one-query bf16 steps with a bool row mask to the kernel, and
-    everything else (fp32, several queries, additive masks) to SDPA, with the same result."""
+    """`fused._sdpa` hands one-query steps to the kernel and everything else (several queries,
+    calls the kernel returns None for) to SDPA, with the same result."""
     calls = []
 
     class Spy:
         def decode_attention(self, *args):
-            calls.append(args[0].shape)
-            return kernel.decode_attention(*args)
+            out = kernel.decode_attention(*args)
+            calls.append(out is not None)
+            return out
 
     module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
     setattr(module, fused.DECODE_KERNEL_ATTR, Spy())
+    plain = SimpleNamespace(num_key_value_groups=3, is_causal=True)
     gen = torch.Generator().manual_seed(0)
     k = _slab_view(4, 3, 40, 64, gen=gen)
     v = _slab_view(4, 3, 40, 64, gen=gen)
@@ -186,19 +295,78 @@ def test_sdpa_dispatch_takes_the_kernel_only_where_it_applies(kernel):
     mask[0, ..., :5] = False
     q = torch.randn(4, 9, 1, 64, generator=gen).to(torch.bfloat16)
     out, _ = fused._sdpa(module, q, k, v, mask, scaling=0.125)
-    assert calls == [(4, 9, 64)] and out.shape == (4, 1, 9, 64)
-    plain, _ = fused._sdpa(SimpleNamespace(num_key_value_groups=3, is_causal=True), q, k, v,
-                           mask, scaling=0.125)
-    torch.testing.assert_close(out, plain, atol=2e-2, rtol=2e-2)
+    assert calls == [True] and out.shape == (4, 1, 9, 64)
+    torch.testing.assert_close(out, fused._sdpa(plain, q, k, v, mask, scaling=0.125)[0],
+                               atol=2e-2, rtol=2e-2)
     fused._sdpa(module, q, k, v, None, scaling=0.125)  # no mask: the kernel too
-    assert len(calls) == 2
+    out, _ = fused._sdpa(module, q.float(), k.float(), v.float(), mask, scaling=0.125)  # fp32
+    torch.testing.assert_close(out, fused._sdpa(plain, q.float(), k.float(), v.float(), mask,
+                                                scaling=0.125)[0], atol=1e-5, rtol=1e-5)
+    assert calls == [True, True, True]
     additive = torch.zeros(4, 1, 1, 40, dtype=torch.bfloat16)
-    fused._sdpa(module, q, k, v, additive, scaling=0.125)
-    fused._sdpa(module, q.float(), k.float(), v.float(), mask, scaling=0.125)
+    out, _ = fused._sdpa(module, q, k, v, additive, scaling=0.125)  # the kernel declines
+    assert calls[-1] is False and out.shape == (4, 1, 9, 64)
     chunk_mask = torch.ones(1, 1, 3, 40, dtype=torch.bool)
     fused._sdpa(module, q[:1].expand(1, 9, 3, 64).contiguous(), k[:1], v[:1], chunk_mask,
                 scaling=0.125)
-    assert len(calls) == 2
+    assert len(calls) == 4  # three queries: SDPA, without asking the kernel
+
+
+def _random_llama(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=heads * head_dim, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, head_dim=head_dim,
+                      max_position_embeddings=512, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+class _Spy:
+    """The kernel, counting the calls it takes."""
+
+    def __init__(self, kernel):
+        self.kernel, self.instantiated, self.taken = kernel, kernel.instantiated, 0
+
+    def decode_attention(self, *args):
+        out = self.kernel.decode_attention(*args)
+        self.taken += out is not None
+        return out
+
+
+def _decode_step_logits(model, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+    """The logits of one decode step after left-padded prompts (all but the last token)."""
+    with torch.inference_mode():
+        cache = DynamicCache()
+        model(input_ids=ids[:, :-1], attention_mask=attention[:, :-1], cache=cache)
+        step = model(input_ids=ids[:, -1:], attention_mask=attention, cache=cache)
+    return step.logits[:, -1].float()
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 2, 64), (6, 2, 128)],
+                         ids=["tinyllama-shaped", "head-128"])
+def test_random_models_decode_through_the_kernel_as_through_sdpa(kernel, heads, kv_heads,
+                                                                 head_dim):
+    """A decode step of left-padded rows, every layer's attention through the kernel: in fp32
+    SDPA's logits, in bf16 no further from the fp32 model's than SDPA's are."""
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 512, (4, 40), generator=gen)
+    attention = torch.ones(4, 40, dtype=torch.long)
+    for row, pad in enumerate([0, 7, 30, 2]):
+        attention[row, :pad] = 0
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = _random_llama(dtype, heads, kv_heads, head_dim)
+        assert fused.install(model)
+        logits["sdpa", dtype] = _decode_step_logits(model, ids, attention)
+        spy = _Spy(kernel)
+        assert fused.use_decode_kernel(model, spy) == 2
+        logits["kernel", dtype] = _decode_step_logits(model, ids, attention)
+        assert spy.taken == 2  # the step, in both layers (the prompts went to SDPA)
+    fp32 = logits["sdpa", torch.float32]
+    torch.testing.assert_close(logits["kernel", torch.float32], fp32, rtol=1e-5, atol=1e-5)
+    err = (logits["kernel", torch.bfloat16] - fp32).abs().max()
+    assert err <= 1.5 * (logits["sdpa", torch.bfloat16] - fp32).abs().max() + 1e-3
 
 
 def _tiny_llama(dtype: torch.dtype, smollm2: LoadedModel, heads: int = 6,
@@ -225,7 +393,7 @@ def test_a_bf16_cpu_engine_decodes_through_the_kernel(smollm2, make_engine, kern
     calls = []
 
     class Spy:
-        vectorised = kernel.vectorised
+        instantiated = kernel.instantiated
 
         def decode_attention(self, *args):
             calls.append(args[0].shape[0])
@@ -241,13 +409,16 @@ def test_a_bf16_cpu_engine_decodes_through_the_kernel(smollm2, make_engine, kern
         assert len(tokens) == 6
     # every decoded token after the first (which the prompt's chunk gives), in every layer
     assert sum(calls) == len(prompts) * 5 * len(attention)
-    # turned off, or in fp32: SDPA, and no layer holds the kernel
+    # turned off, or in fp32 (the engine's choice so far): SDPA, and no layer holds the kernel
     assert make_engine(loaded, decode_attention="sdpa").decode_kernel_layers == 0
     assert all(getattr(m, fused.DECODE_KERNEL_ATTR) is None for m in attention)
     assert make_engine(_tiny_llama(torch.float32, smollm2)).decode_kernel_layers == 0
-    # shapes the kernel only runs on its scalar path: SDPA
-    assert make_engine(_tiny_llama(torch.bfloat16, smollm2, heads=10)).decode_kernel_layers == 0
-    assert make_engine(_tiny_llama(torch.bfloat16, smollm2, head_dim=128)) \
+    # five or eight (TinyLlama) query heads per KV head, heads of 128: the kernel too
+    for shape in ({"heads": 10}, {"heads": 16}, {"head_dim": 128}):
+        assert make_engine(_tiny_llama(torch.bfloat16, smollm2, **shape)) \
+            .decode_kernel_layers == 2
+    # a head size it is not built for: SDPA
+    assert make_engine(_tiny_llama(torch.bfloat16, smollm2, head_dim=32)) \
         .decode_kernel_layers == 0
     # without the packed forward nothing dispatches to it: not even built
     assert make_engine(_tiny_llama(torch.bfloat16, smollm2),
@@ -256,6 +427,8 @@ def test_a_bf16_cpu_engine_decodes_through_the_kernel(smollm2, make_engine, kern
 
 def test_a_kernel_that_cannot_build_leaves_attention_to_sdpa(tmp_path, monkeypatch, caplog):
     """No compiler: the build fails, the engine is told None and says why once."""
+    monkeypatch.setattr(native, "instruction_set", lambda: "avx2")
+    monkeypatch.setattr(native, "_library", None)  # as in a process that loaded no build yet
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(native, "SOURCE", Path(tmp_path / "missing.cpp"))
     (tmp_path / "missing.cpp").write_text("#error this source does not compile\n")

@@ -1,457 +1,343 @@
 // Attention of one query token per row over a rolling batch's KV slab, on the CPU.
 //
 // PyTorch's CPU flash-attention kernel is built for long query blocks; with one query per row
-// (grouped-query heads stacked, 3 per KV head for SmolLM2) it reads the KV at ~8 GB/s and took
-// 29-40% of a decode step's CPU time at 32 rows. This kernel runs one task per (row, KV head):
-// the group's query heads dot every attended key, sixteen keys at a time (each key loaded once
-// for all of them; bf16 pairs into fp32 with AVX512-BF16, else converted to fp32), a two-pass
-// softmax in fp32 with a vectorised exp, then the values weighted and summed in fp32 and rounded
-// once to bf16. Like PyTorch's kernel, the weights are rounded to bf16 before they multiply the
-// values (AVX512-BF16 only; rounded 32 at a time before the values pass). Keys the mask hides
-// get weight 0: blocks of 16 hidden keys are skipped, partly hidden blocks compute and discard
-// their scores; the values pass starts at the first shown key (left padding is skipped) and
-// reads a hidden value row after it with weight 0 (so, as for SDPA, padding must hold finite
-// values). Head dim 64 with 1-4 query heads per KV head
-// is vectorised (`vectorised`); other shapes run a scalar path, which the engine leaves to
-// SDPA. Checked against PyTorch's SDPA in tests/engine/test_native.py.
+// it reads the KV slowly and took 29-40% of a decode step's CPU time at 32 rows. This kernel
+// runs one task per (row, KV head): the group's query heads dot every shown key (each key
+// loaded once for all of them), a two-pass softmax in fp32, then the values weighted and summed
+// in fp32 and rounded once to the output's type. Keys the mask hides get weight 0 and their
+// rows are not read, except keys' rows in a block that also shows some (their scores are
+// computed and discarded).
 //
-// Built on first use by engine/kernels/decode_attention.py (torch.utils.cpp_extension) for the host CPU. Without
-// AVX512 only a scalar path is compiled; engine/kernels/decode_attention.py then leaves attention to SDPA.
+// One source for every CPU: it is written over ATen's Vectorized<float>, whose implementation
+// (AVX512, AVX2, NEON) the CPU_CAPABILITY_* macro the build defines picks; templated on the
+// element type (bf16, fp32), head size and query heads per KV head. Built on first use by
+// engine/kernels/decode_attention.py; registered as torch.ops.seqgate.*. Checked against
+// PyTorch's SDPA in tests/engine/test_native.py.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
 
-#include <cmath>
+#include <algorithm>
 #include <cstdint>
-#include <cstring>
+#include <limits>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
-
-// The vector path needs AVX512 F, BW (16-bit unpacks, byte masks) and VL.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define SEQGATE_AVX512 1
-#include <immintrin.h>
-#endif
 
 namespace {
 
-constexpr float kHidden = -3.0e38f;  // a hidden column's score; its weight is set to 0
+using Vec = at::vec::Vectorized<float>;
+constexpr int kLanes = Vec::size();
+// Vector registers a loop's accumulators and operands may take (one left for a broadcast).
+constexpr int kRegs = kLanes >= 16 ? 31 : 15;
+constexpr float kHidden = -std::numeric_limits<float>::infinity();
 
-inline float bf16_to_float(uint16_t x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
+// Reads a row of the head (key or value) ahead into the cache.
+template <typename T, int D>
+inline void prefetch_row(const T* row) {
+  for (int i = 0; i < D * static_cast<int>(sizeof(T)); i += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(row) + i);
 }
 
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as PyTorch does
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+// N vectors meant for registers. An array of Vectorized runs a constructor loop, which takes
+// its address and so keeps GCC from holding it in registers; this runs no constructor.
+template <int N>
+struct Vecs {
+  union { Vec v[N]; };
+  Vecs() {}
+  Vec& operator[](int i) { return v[i]; }
+};
+
+inline Vec load(const float* p) { return Vec::loadu(p); }
+inline Vec load(const at::BFloat16* p) {
+  Vec v;
+  at::vec::load_to_float(p, v);
+  return v;
 }
 
-#if defined(SEQGATE_AVX512)
-// exp(x) for x <= 0: 2^n * e^r with |r| <= ln2/2, e^r by its Taylor series to r^7 (relative
-// error below 1e-7, under float's own rounding).
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // NaN (the second operand) passes through
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __m512 load_bf16x16(const uint16_t* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+// Lane i of the result is the sum of v[i]'s lanes (v, kLanes vectors, is overwritten): each
+// level adds neighbouring lanes, so a block's dot products need no horizontal sum each. On
+// AVX2, ATen's deinterleave2 takes four lane-crossing shuffles a step; unpacking within lanes
+// and crossing once at the end is faster, so that one step is written in intrinsics.
+inline Vec sum_lanes(Vecs<kLanes>& v) {
+#if defined(CPU_CAPABILITY_AVX2)
+  __m256 a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 2; ++i) {
+    const __m256d x = _mm256_castps_pd(a[2 * i]), y = _mm256_castps_pd(a[2 * i + 1]);
+    b[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
+                         _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20),
+                       _mm256_permute2f128_ps(b[0], b[1], 0x31));
+#else
+  for (int n = kLanes; n > 1; n /= 2)
+    for (int i = 0; i < n / 2; ++i) {
+      const auto [even, odd] = at::vec::deinterleave2(v[2 * i], v[2 * i + 1]);
+      v[i] = even + odd;
+    }
+  return v[0];
 #endif
+}
 
 struct Problem {
-  const uint16_t* q;  // [rows, kv_heads * groups, dim]
-  const uint16_t* k;  // [rows, kv_heads, columns, dim]
-  const uint16_t* v;
-  const bool* mask;   // [rows, columns] (true attends), or null: every column
-  uint16_t* out;      // [rows, kv_heads * groups, dim], contiguous
-  int64_t rows, kv_heads, groups, columns, dim;
+  const void *q, *k, *v;
+  const bool* mask;  // [rows, columns] (true attends), or null: every column
+  void* out;         // [rows, kv_heads * groups, dim], contiguous
+  int64_t kv_heads, columns;
   int64_t q_row, q_head, k_row, k_head, k_col, v_row, v_head, v_col, mask_row;
   float scale;
 };
 
-// Scaled scores of the group's queries (fp32 copies of the bf16 ones) against every column:
-// fills s[g * columns + c] (kHidden where the mask hides the column) and the per-query maxima.
-void scores_generic(const Problem& pb, const uint16_t* kp, const bool* mr, const float* qf,
-                    float* s, float* mx) {
-  const int64_t C = pb.columns, D = pb.dim, G = pb.groups;
-  std::vector<float> kf(D);
-  for (int64_t c = 0; c < C; ++c) {
-    if (mr && !mr[c]) {
-      for (int64_t g = 0; g < G; ++g) s[g * C + c] = kHidden;
+// Scores of the group's queries (qf) against every key of one (row, KV head) into s, hidden
+// keys and the padding after the last as kHidden; returns each query's maximum.
+template <typename T, int D, int G>
+void scores(const Problem& p, const T* kp, const bool* mr, const float* qf, float* s,
+            float* parts, int64_t padded, float* mx) {
+  constexpr int kKeys = G >= 5 ? 1 : G >= 3 ? 2 : G == 2 ? 4 : 8;  // keys dotted at once
+  Vecs<G> vmax;
+  for (int g = 0; g < G; ++g) vmax[g] = Vec(kHidden);
+  for (int64_t c0 = 0; c0 < p.columns; c0 += kLanes) {
+    const int n = static_cast<int>(std::min<int64_t>(kLanes, p.columns - c0));
+    int shown = n;
+    if (mr) {
+      shown = 0;
+      for (int i = 0; i < n; ++i) shown += mr[c0 + i];
+    }
+    if (shown == 0) {
+      for (int g = 0; g < G; ++g) Vec(kHidden).store(s + g * padded + c0);
       continue;
     }
-    const uint16_t* kr = kp + c * pb.k_col;
-    for (int64_t d = 0; d < D; ++d) kf[d] = bf16_to_float(kr[d]);
-    for (int64_t g = 0; g < G; ++g) {
-      float dot = 0.f;
-      for (int64_t d = 0; d < D; ++d) dot += qf[g * D + d] * kf[d];
-      dot *= pb.scale;
-      s[g * C + c] = dot;
-      mx[g] = std::max(mx[g], dot);
-    }
-  }
-}
-
-#if defined(SEQGATE_AVX512)
-// Sixteen vectors to one: lane i of the result is the sum of a[i]'s lanes.
-inline __m512 sum16(__m512* a) {
-  __m512 b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i)
-    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
-    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  for (int i = 0; i < 2; ++i)
-    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// One key's dot product with one query as a vector whose lanes sum to it.
-#if defined(__AVX512BF16__)
-using Query64 = __m512bh[2];
-inline void load_query(const float* qf, Query64& q) {
-  q[0] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qf + 16), _mm512_loadu_ps(qf));
-  q[1] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qf + 48), _mm512_loadu_ps(qf + 32));
-}
-struct KeyRow64 { __m512bh half[2]; };
-inline KeyRow64 load_key(const uint16_t* kr) {
-  return {{(__m512bh)_mm512_loadu_si512(kr), (__m512bh)_mm512_loadu_si512(kr + 32)}};
-}
-inline __m512 dot_parts(const KeyRow64& k, const Query64& q) {
-  return _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), k.half[0], q[0]), k.half[1], q[1]);
-}
-#else
-using Query64 = __m512[4];
-inline void load_query(const float* qf, Query64& q) {
-  for (int i = 0; i < 4; ++i) q[i] = _mm512_loadu_ps(qf + 16 * i);
-}
-struct KeyRow64 { __m512 quarter[4]; };
-inline KeyRow64 load_key(const uint16_t* kr) {
-  return {{load_bf16x16(kr), load_bf16x16(kr + 16), load_bf16x16(kr + 32), load_bf16x16(kr + 48)}};
-}
-inline __m512 dot_parts(const KeyRow64& k, const Query64& q) {
-  __m512 acc = _mm512_mul_ps(k.quarter[0], q[0]);
-  for (int i = 1; i < 4; ++i) acc = _mm512_fmadd_ps(k.quarter[i], q[i], acc);
-  return acc;
-}
-#endif
-
-// dim 64, sixteen keys at a time.
-template <int G>
-void scores_64(const Problem& pb, const uint16_t* kp, const bool* mr, const float* qf,
-               float* s, float* mx) {
-  const int64_t C = pb.columns;
-  Query64 qv[G];
-  for (int g = 0; g < G; ++g) load_query(qf + 64 * g, qv[g]);
-  const __m512 hidden = _mm512_set1_ps(kHidden), scale = _mm512_set1_ps(pb.scale);
-  __m512 vmax[G];
-  for (int g = 0; g < G; ++g) vmax[g] = hidden;
-  int64_t c = 0;
-  __m512 parts[G][16];
-  for (; c + 16 <= C; c += 16) {
-    const __mmask16 shown = mr ? _mm_cmpneq_epi8_mask(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(mr + c)), _mm_setzero_si128())
-                               : static_cast<__mmask16>(0xffff);
-    if (!shown) {
-      for (int g = 0; g < G; ++g) _mm512_storeu_ps(s + g * C + c, hidden);
-      continue;
-    }
-    for (int i = 0; i < 16; ++i) {  // each key loaded once for the group's queries
-      const KeyRow64 key = load_key(kp + (c + i) * pb.k_col);
-      for (int g = 0; g < G; ++g) parts[g][i] = dot_parts(key, qv[g]);
+    for (int i = 0; i < kLanes; ++i)
+      prefetch_row<T, D>(kp + std::min<int64_t>(c0 + 2 * kLanes + i, p.columns - 1) * p.k_col);
+    for (int i = 0; i < n; i += kKeys) {
+      Vecs<kKeys * G> acc;
+      const T* key[kKeys];  // past the last column: the last again, its scores discarded
+      for (int b = 0; b < kKeys; ++b) {
+        key[b] = kp + std::min<int64_t>(c0 + i + b, p.columns - 1) * p.k_col;
+        for (int g = 0; g < G; ++g) acc[b * G + g] = Vec(0.f);
+      }
+#pragma GCC unroll 16  // whole, or GCC keeps the accumulators in memory
+      for (int j = 0; j < D; j += kLanes)
+        for (int b = 0; b < kKeys; ++b) {
+          const Vec kv = load(key[b] + j);
+          for (int g = 0; g < G; ++g)
+            acc[b * G + g] = at::vec::fmadd(kv, Vec::loadu(qf + g * D + j), acc[b * G + g]);
+        }
+      for (int b = 0; b < kKeys; ++b)
+        for (int g = 0; g < G; ++g) acc[b * G + g].store(parts + (g * kLanes + i + b) * kLanes);
     }
     for (int g = 0; g < G; ++g) {
-      const __m512 sc =
-          _mm512_mask_blend_ps(shown, hidden, _mm512_mul_ps(sum16(parts[g]), scale));
-      _mm512_storeu_ps(s + g * C + c, sc);
-      vmax[g] = _mm512_max_ps(vmax[g], sc);
+      float* sg = s + g * padded + c0;
+      Vecs<kLanes> dots;
+      for (int i = 0; i < kLanes; ++i) dots[i] = Vec::loadu(parts + (g * kLanes + i) * kLanes);
+      sum_lanes(dots).store(sg);
+      if (shown < kLanes)  // a block at the edge of the mask, or the last
+        for (int i = 0; i < kLanes; ++i)
+          if (i >= n || (mr && !mr[c0 + i])) sg[i] = kHidden;
+      vmax[g] = at::vec::maximum(vmax[g], Vec::loadu(sg));
     }
   }
-  for (int g = 0; g < G; ++g) mx[g] = _mm512_reduce_max_ps(vmax[g]);
-  for (; c < C; ++c) {
-    for (int g = 0; g < G; ++g) {
-      float dot = kHidden;
-      if (!mr || mr[c])
-        dot = _mm512_reduce_add_ps(dot_parts(load_key(kp + c * pb.k_col), qv[g])) * pb.scale;
-      s[g * C + c] = dot;
-      mx[g] = std::max(mx[g], dot);
-    }
-  }
+  for (int g = 0; g < G; ++g)
+    mx[g] = at::vec::vec_reduce_all([](Vec a, Vec b) { return at::vec::maximum(a, b); }, vmax[g]);
 }
 
+// Scores into unnormalised weights, in place; returns 1 / their sum per query. A NaN among the
+// scores (a NaN maximum) makes every weight, so the whole output, NaN, as with SDPA.
 template <int G>
-void weighted_values_64(const Problem& pb, const uint16_t* vp, const bool* mr, const float* s,
-                        const float* inv, uint16_t* out, uint16_t* wb) {
-  const int64_t C = pb.columns;
-  alignas(64) float tmp[64];
-#if defined(__AVX512BF16__)
-  // Two keys at a time: their value rows interleaved as bf16 pairs, each pair dotted with the
-  // two keys' weights (rounded to bf16, as the kernels PyTorch ships do). Accumulator lanes
-  // hold dims in unpack order; put back in order at the end.
-  //
-  // The weights are rounded once, 32 at a time, into `wb` (a group's row every `C + 2`), where
-  // columns (c, c + 1) for an even c are one 32-bit pair to broadcast; a zero follows the last
-  // column. Columns before the first one shown are skipped (left padding); a hidden column
-  // after it has weight 0.
-  const int64_t W = C + 2;
+void softmax(float* s, int64_t padded, const float* mx, float* inv) {
   for (int g = 0; g < G; ++g) {
-    const float* sg = s + g * C;
-    uint16_t* wg = wb + g * W;
-    int64_t c = 0;
-    for (; c + 32 <= C; c += 32)
-      _mm512_storeu_si512(wg + c, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sg + c + 16),
-                                                              _mm512_loadu_ps(sg + c)));
-    const int64_t left = C - c;  // 0-31 columns, then the zero
-    const __mmask16 lo = static_cast<__mmask16>(left >= 16 ? 0xffff : (1u << left) - 1);
-    const __mmask16 hi = static_cast<__mmask16>(left <= 16 ? 0 : (1u << (left - 16)) - 1);
-    const __m512bh rest = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, sg + c + 16),
-                                              _mm512_maskz_loadu_ps(lo, sg + c));
-    _mm512_mask_storeu_epi16(wg + c, static_cast<__mmask32>((1ull << (left + 1)) - 1),
-                             (__m512i)rest);
-  }
-  int64_t first = 0;
-  if (mr) {
-    while (first + 64 <= C && !_mm512_test_epi8_mask(
-               _mm512_loadu_si512(mr + first), _mm512_set1_epi8(1)))
-      first += 64;
-    while (first < C && !mr[first]) ++first;
-  }
-  __m512 acc[4 * G];
-  for (int i = 0; i < 4 * G; ++i) acc[i] = _mm512_setzero_ps();
-  const __m512i zero = _mm512_setzero_si512();
-  for (int64_t c = first & ~int64_t{1}; c < C; c += 2) {
-    const uint16_t* r0 = vp + c * pb.v_col;
-    const __m512i a0 = _mm512_loadu_si512(r0), a1 = _mm512_loadu_si512(r0 + 32);
-    __m512i b0 = zero, b1 = zero;
-    if (c + 1 < C) {
-      const uint16_t* r1 = r0 + pb.v_col;
-      b0 = _mm512_loadu_si512(r1);
-      b1 = _mm512_loadu_si512(r1 + 32);
+    float* sg = s + g * padded;
+    const Vec m(mx[g]);
+    Vec sum(0.f);
+    for (int64_t c = 0; c < padded; c += kLanes) {
+      const Vec x = Vec::loadu(sg + c) - m;
+      const Vec e = Vec::blendv(x.exp_u20(), x, x.isnan());  // exp_u20 would drop a NaN
+      e.store(sg + c);
+      sum = sum + e;
     }
-    const __m512bh p0 = (__m512bh)_mm512_unpacklo_epi16(a0, b0);
-    const __m512bh p1 = (__m512bh)_mm512_unpackhi_epi16(a0, b0);
-    const __m512bh p2 = (__m512bh)_mm512_unpacklo_epi16(a1, b1);
-    const __m512bh p3 = (__m512bh)_mm512_unpackhi_epi16(a1, b1);
-    for (int g = 0; g < G; ++g) {
-      int32_t bits;
-      std::memcpy(&bits, wb + g * W + c, sizeof bits);
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(bits);
-      acc[4 * g] = _mm512_dpbf16_ps(acc[4 * g], p0, w);
-      acc[4 * g + 1] = _mm512_dpbf16_ps(acc[4 * g + 1], p1, w);
-      acc[4 * g + 2] = _mm512_dpbf16_ps(acc[4 * g + 2], p2, w);
-      acc[4 * g + 3] = _mm512_dpbf16_ps(acc[4 * g + 3], p3, w);
-    }
-  }
-  // Lane l of an unpacked vector holds dim 8 * (l / 4) + l % 4 (+4 for the "hi" half).
-  alignas(64) float raw[64];
-  for (int g = 0; g < G; ++g) {
-    const __m512 f = _mm512_set1_ps(inv[g]);
-    for (int j = 0; j < 4; ++j) _mm512_store_ps(raw + 16 * j, _mm512_mul_ps(acc[4 * g + j], f));
-    for (int half = 0; half < 2; ++half)
-      for (int hl = 0; hl < 2; ++hl)
-        for (int l = 0; l < 16; ++l)
-          tmp[32 * half + 8 * (l / 4) + 4 * hl + l % 4] = raw[16 * (2 * half + hl) + l];
-    for (int d = 0; d < 64; ++d) out[g * 64 + d] = float_to_bf16(tmp[d]);
-  }
-#else
-  __m512 acc[4 * G];
-  for (int i = 0; i < 4 * G; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < C; ++c) {
-    if (mr && !mr[c]) continue;
-    const uint16_t* vr = vp + c * pb.v_col;
-    const __m512 v0 = load_bf16x16(vr), v1 = load_bf16x16(vr + 16);
-    const __m512 v2 = load_bf16x16(vr + 32), v3 = load_bf16x16(vr + 48);
-    for (int g = 0; g < G; ++g) {
-      const __m512 w = _mm512_set1_ps(s[g * C + c]);
-      acc[4 * g] = _mm512_fmadd_ps(w, v0, acc[4 * g]);
-      acc[4 * g + 1] = _mm512_fmadd_ps(w, v1, acc[4 * g + 1]);
-      acc[4 * g + 2] = _mm512_fmadd_ps(w, v2, acc[4 * g + 2]);
-      acc[4 * g + 3] = _mm512_fmadd_ps(w, v3, acc[4 * g + 3]);
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    const __m512 f = _mm512_set1_ps(inv[g]);
-    for (int j = 0; j < 4; ++j) _mm512_store_ps(tmp + 16 * j, _mm512_mul_ps(acc[4 * g + j], f));
-    for (int d = 0; d < 64; ++d) out[g * 64 + d] = float_to_bf16(tmp[d]);
-  }
-#endif
-}
-#endif
-
-void weighted_values_generic(const Problem& pb, const uint16_t* vp, const bool* mr,
-                             const float* s, const float* inv, uint16_t* out) {
-  const int64_t C = pb.columns, D = pb.dim, G = pb.groups;
-  std::vector<float> acc(G * D, 0.f);
-  for (int64_t c = 0; c < C; ++c) {
-    if (mr && !mr[c]) continue;
-    const uint16_t* vr = vp + c * pb.v_col;
-    for (int64_t g = 0; g < G; ++g) {
-      const float w = s[g * C + c];
-      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += w * bf16_to_float(vr[d]);
-    }
-  }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] = float_to_bf16(acc[g * D + d] * inv[g]);
-}
-
-// Turns scores into unnormalised weights in place; returns 1 / their sum per query.
-void softmax(const Problem& pb, float* s, const float* mx, float* inv) {
-  const int64_t C = pb.columns;
-  for (int64_t g = 0; g < pb.groups; ++g) {
-    float* sg = s + g * C;
-    float total = 0.f;
-    int64_t c = 0;
-#if defined(SEQGATE_AVX512)
-    const __m512 m = _mm512_set1_ps(mx[g]);
-    const __m512 hidden = _mm512_set1_ps(kHidden);
-    __m512 sum = _mm512_setzero_ps();
-    for (; c + 16 <= C; c += 16) {
-      const __m512 x = _mm512_loadu_ps(sg + c);
-      const __mmask16 shown = _mm512_cmp_ps_mask(x, hidden, _CMP_NEQ_UQ);  // NaN: shown
-      const __m512 e = _mm512_maskz_mov_ps(shown, exp_ps(_mm512_sub_ps(x, m)));
-      _mm512_storeu_ps(sg + c, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    total = _mm512_reduce_add_ps(sum);
-#endif
-    for (; c < C; ++c) {
-      const float e = sg[c] != kHidden ? std::exp(sg[c] - mx[g]) : 0.f;
-      sg[c] = e;
-      total += e;
-    }
-    inv[g] = 1.f / total;
+    inv[g] = 1.f / at::vec::vec_reduce_all([](Vec a, Vec b) { return a + b; }, sum);
   }
 }
 
-template <int G>
-void run_task(const Problem& pb, int64_t task, std::vector<float>& s, std::vector<float>& qf,
-              std::vector<uint16_t>& wb) {
-  const int64_t r = task / pb.kv_heads, h = task % pb.kv_heads;
-  const int64_t groups = G > 0 ? G : pb.groups, D = pb.dim;
-  const uint16_t* kp = pb.k + r * pb.k_row + h * pb.k_head;
-  const uint16_t* vp = pb.v + r * pb.v_row + h * pb.v_head;
-  const bool* mr = pb.mask ? pb.mask + r * pb.mask_row : nullptr;
-  float mx[64], inv[64];
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint16_t* qp = pb.q + r * pb.q_row + (h * groups + g) * pb.q_head;
-    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = bf16_to_float(qp[d]);
-    mx[g] = kHidden;
-  }
-  uint16_t* out = pb.out + (r * pb.kv_heads + h) * groups * D;
-#if defined(SEQGATE_AVX512)
-  if constexpr (G > 0) {
-    scores_64<G>(pb, kp, mr, qf.data(), s.data(), mx);
-    softmax(pb, s.data(), mx, inv);
-    weighted_values_64<G>(pb, vp, mr, s.data(), inv, out, wb.data());
-    return;
-  }
-#endif
-  scores_generic(pb, kp, mr, qf.data(), s.data(), mx);
-  softmax(pb, s.data(), mx, inv);
-  weighted_values_generic(pb, vp, mr, s.data(), inv, out);
+// The largest divisor of n not above most (at least 1).
+constexpr int divisor_upto(int n, int most) {
+  for (int d = most; d > 1; --d)
+    if (n % d == 0) return d;
+  return 1;
 }
 
-template <int G>
-void run_all(const Problem& pb) {
-  at::parallel_for(0, pb.rows * pb.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(pb.groups * pb.columns), qf(pb.groups * pb.dim);
-    std::vector<uint16_t> wb(pb.groups * (pb.columns + 2));
-    for (int64_t t = begin; t < end; ++t) run_task<G>(pb, t, s, qf, wb);
+// out[g] = inv[g] * sum of the shown values weighted by w[g]. The head's vectors are summed in
+// passes of as many as the registers hold (accumulators for each query, the values), over
+// chunks of columns whose values stay in L1 from one pass to the next.
+template <typename T, int D, int G>
+void weighted_values(const Problem& p, const T* vp, const bool* mr, const float* w,
+                     int64_t padded, const float* inv, float* out) {
+  constexpr int kVecs = D / kLanes;
+  constexpr int kPass = divisor_upto(kVecs, kRegs / (G + 1));
+  constexpr int64_t kChunk = 16384 / (D * sizeof(T));  // 16 KB of values
+  for (int i = 0; i < G * D; i += kLanes) Vec(0.f).store(out + i);
+  for (int64_t c0 = 0; c0 < p.columns; c0 += kChunk) {
+    const int64_t c1 = std::min(p.columns, c0 + kChunk);
+    for (int j0 = 0; j0 < kVecs; j0 += kPass) {
+      Vecs<G * kPass> acc;
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < kPass; ++j)
+          acc[g * kPass + j] = Vec::loadu(out + g * D + (j0 + j) * kLanes);
+      for (int64_t c = c0; c < c1; ++c) {
+        if (mr && !mr[c]) continue;
+        const T* vr = vp + c * p.v_col;
+        if (j0 == 0) prefetch_row<T, D>(vp + std::min(c + 16, p.columns - 1) * p.v_col);
+        Vecs<kPass> value;
+        for (int j = 0; j < kPass; ++j) value[j] = load(vr + (j0 + j) * kLanes);
+        for (int g = 0; g < G; ++g) {
+          const Vec wc(w[g * padded + c]);
+          for (int j = 0; j < kPass; ++j)
+            acc[g * kPass + j] = at::vec::fmadd(wc, value[j], acc[g * kPass + j]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < kPass; ++j) acc[g * kPass + j].store(out + g * D + (j0 + j) * kLanes);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < D; i += kLanes)
+      (Vec::loadu(out + g * D + i) * Vec(inv[g])).store(out + g * D + i);
+}
+
+// One (row, KV head). Scratch: the query (scaled, fp32), the scores then weights (`padded` per
+// query), a block's dot products and the output in fp32.
+template <typename T, int D, int G>
+void attend(const Problem& p, int64_t task, int64_t padded, float* scratch) {
+  const int64_t r = task / p.kv_heads, h = task % p.kv_heads;
+  float *qf = scratch, *s = qf + G * D, *parts = s + G * padded, *of = parts + G * kLanes * kLanes;
+  const T* q = static_cast<const T*>(p.q) + r * p.q_row + h * G * p.q_head;
+  const T* kp = static_cast<const T*>(p.k) + r * p.k_row + h * p.k_head;
+  const T* vp = static_cast<const T*>(p.v) + r * p.v_row + h * p.v_head;
+  const bool* mr = p.mask ? p.mask + r * p.mask_row : nullptr;
+  T* out = static_cast<T*>(p.out) + (r * p.kv_heads + h) * G * D;
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < D; j += kLanes)
+      (load(q + g * p.q_head + j) * Vec(p.scale)).store(qf + g * D + j);
+  float mx[G], inv[G];
+  scores<T, D, G>(p, kp, mr, qf, s, parts, padded, mx);
+  softmax<G>(s, padded, mx, inv);
+  if constexpr (std::is_same_v<T, float>) {
+    weighted_values<T, D, G>(p, vp, mr, s, padded, inv, out);
+  } else {
+    weighted_values<T, D, G>(p, vp, mr, s, padded, inv, of);
+    at::vec::convert(of, out, G * D);
+  }
+}
+
+template <typename T, int D, int G>
+void run(const Problem& p, int64_t tasks) {
+  const int64_t padded = (p.columns + kLanes - 1) / kLanes * kLanes;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(G * (2 * D + padded + kLanes * kLanes));
+    for (int64_t t = begin; t < end; ++t) attend<T, D, G>(p, t, padded, scratch.data());
   });
+}
+
+// What is instantiated: bf16 and fp32, head sizes 64 and 128, 1 to 8 query heads per KV head.
+using Run = void (*)(const Problem&, int64_t);
+
+template <typename T, int D, int... G>
+Run pick_group(int64_t groups, std::integer_sequence<int, G...>) {
+  Run f = nullptr;
+  ((groups == G ? (f = &run<T, D, G>) : nullptr), ...);
+  return f;
+}
+
+template <typename T>
+Run pick_dim(int64_t dim, int64_t groups) {
+  using Groups = std::integer_sequence<int, 1, 2, 3, 4, 5, 6, 7, 8>;
+  if (dim == 64) return pick_group<T, 64>(groups, Groups{});
+  if (dim == 128) return pick_group<T, 128>(groups, Groups{});
+  return nullptr;
+}
+
+Run pick(at::ScalarType dtype, int64_t dim, int64_t groups) {
+  if (dtype == at::kBFloat16) return pick_dim<at::BFloat16>(dim, groups);
+  if (dtype == at::kFloat) return pick_dim<float>(dim, groups);
+  return nullptr;
+}
+
+// The kernel's preconditions, all of them and only here: a call that breaks one gets None and
+// the caller runs SDPA, so no second copy of these checks can disagree with the kernel.
+Run fits(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+         const std::optional<at::Tensor>& mask) {
+  if (q.dim() != 4 || k.dim() != 4 || v.sizes() != k.sizes() || !q.device().is_cpu() ||
+      !k.device().is_cpu() || !v.device().is_cpu() || k.scalar_type() != q.scalar_type() ||
+      v.scalar_type() != q.scalar_type())
+    return nullptr;
+  const int64_t rows = k.size(0), kv_heads = k.size(1), columns = k.size(2), dim = k.size(3);
+  if (q.size(0) != rows || q.size(2) != 1 || q.size(3) != dim || kv_heads == 0 ||
+      columns == 0 || q.size(1) % kv_heads != 0 || q.stride(3) != 1 || k.stride(3) != 1 ||
+      v.stride(3) != 1)
+    return nullptr;
+  if (mask.has_value() && mask->defined()) {
+    const at::Tensor& m = *mask;
+    if (m.scalar_type() != at::kBool || m.dim() != 4 || !m.device().is_cpu() ||
+        m.size(0) != rows || m.size(1) != 1 || m.size(2) != 1 || m.size(3) != columns ||
+        (m.stride(3) != 1 && columns > 1))
+      return nullptr;
+  }
+  return pick(q.scalar_type(), dim, q.size(1) / kv_heads);
+}
+
+// query [rows, heads, 1, dim]; key, value [rows, kv_heads, columns, dim] (any strides but the
+// head dim's); mask [rows, 1, 1, columns] bool (true attends) or None. Returns the attention
+// [rows, 1, heads, dim], as transformers' SDPA does, or None for a call the kernel does not take.
+std::optional<at::Tensor> decode_attention(const at::Tensor& query, const at::Tensor& key,
+                                           const at::Tensor& value,
+                                           const std::optional<at::Tensor>& mask, double scale) {
+  const Run run = fits(query, key, value, mask);
+  if (!run) return std::nullopt;
+  const bool masked = mask.has_value() && mask->defined();
+  Problem p{query.data_ptr(), key.data_ptr(), value.data_ptr(),
+            masked ? mask->data_ptr<bool>() : nullptr, nullptr,
+            key.size(1), key.size(2),
+            query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
+            value.stride(0), value.stride(1), value.stride(2), masked ? mask->stride(0) : 0,
+            static_cast<float>(scale)};
+  at::Tensor out = at::empty({query.size(0), 1, query.size(1), query.size(3)}, query.options());
+  p.out = out.data_ptr();
+  run(p, key.size(0) * key.size(1));
+  return out;
+}
+
+bool instantiated(at::ScalarType dtype, int64_t dim, int64_t groups) {
+  return pick(dtype, dim, groups) != nullptr;
+}
+
+std::string instruction_set() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return "avx512";
+#elif defined(CPU_CAPABILITY_AVX2)
+  return "avx2";
+#elif defined(__aarch64__)
+  return "neon";
+#else
+  return "default";
+#endif
 }
 
 }  // namespace
 
-// query [rows, heads, dim]; key, value [rows, kv_heads, columns, dim] (any strides but the last
-// dim's); mask [rows, columns] bool or undefined. bf16 throughout; returns [rows, heads, dim].
-torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& key,
-                               const torch::Tensor& value, const c10::optional<torch::Tensor>& mask,
-                               double scale) {
-  TORCH_CHECK(query.dim() == 3 && key.dim() == 4 && value.sizes() == key.sizes(), "shapes");
-  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
-              value.scalar_type() == at::kBFloat16, "bf16 only");
-  TORCH_CHECK(query.stride(2) == 1 && key.stride(3) == 1 && value.stride(3) == 1,
-              "the head dim must be contiguous");
-  Problem pb{};
-  pb.rows = key.size(0);
-  pb.kv_heads = key.size(1);
-  pb.columns = key.size(2);
-  pb.dim = key.size(3);
-  TORCH_CHECK(pb.kv_heads > 0 && query.size(0) == pb.rows && query.size(2) == pb.dim &&
-              query.size(1) % pb.kv_heads == 0, "query shape");
-  pb.groups = query.size(1) / pb.kv_heads;
-  TORCH_CHECK(pb.groups <= 64, "at most 64 query heads per KV head");
-  auto out = torch::empty({pb.rows, query.size(1), pb.dim}, query.options());
-  pb.q = reinterpret_cast<const uint16_t*>(query.data_ptr());
-  pb.k = reinterpret_cast<const uint16_t*>(key.data_ptr());
-  pb.v = reinterpret_cast<const uint16_t*>(value.data_ptr());
-  pb.out = reinterpret_cast<uint16_t*>(out.data_ptr());
-  pb.q_row = query.stride(0);
-  pb.q_head = query.stride(1);
-  pb.k_row = key.stride(0);
-  pb.k_head = key.stride(1);
-  pb.k_col = key.stride(2);
-  pb.v_row = value.stride(0);
-  pb.v_head = value.stride(1);
-  pb.v_col = value.stride(2);
-  pb.scale = static_cast<float>(scale);
-  if (mask.has_value() && mask->defined()) {
-    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 2 &&
-                mask->size(0) == pb.rows && mask->size(1) == pb.columns && mask->stride(1) == 1,
-                "mask [rows, columns] bool");
-    pb.mask = mask->data_ptr<bool>();
-    pb.mask_row = mask->stride(0);
-  }
-  if (pb.dim == 64 && pb.groups == 1) run_all<1>(pb);
-  else if (pb.dim == 64 && pb.groups == 2) run_all<2>(pb);
-  else if (pb.dim == 64 && pb.groups == 3) run_all<3>(pb);
-  else if (pb.dim == 64 && pb.groups == 4) run_all<4>(pb);
-  else run_all<0>(pb);
-  return out;
+// Operators release Python's GIL while they run, so the server's other threads go on.
+TORCH_LIBRARY(seqgate, m) {
+  m.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale)"
+        " -> Tensor?");
+  m.def("instantiated(ScalarType dtype, int dim, int groups) -> bool", &instantiated);
+  m.def("instruction_set() -> str", &instruction_set);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // Like PyTorch's own operators, the kernel lets other Python threads run (the server's).
-  m.def("decode_attention", &decode_attention, "one-query attention over a KV slab (bf16, CPU)",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("vectorised", [](int64_t dim, int64_t groups) {
-#if defined(SEQGATE_AVX512)
-    return dim == 64 && groups >= 1 && groups <= 4;
-#else
-    return false;
-#endif
-  }, "whether heads of this size, this many per KV head, take the vector path");
-  m.def("instruction_set", []() -> std::string {
-#if defined(SEQGATE_AVX512) && defined(__AVX512BF16__)
-    return "avx512-bf16";
-#elif defined(SEQGATE_AVX512)
-    return "avx512";
-#else
-    return "scalar";
-#endif
-  });
-}
+TORCH_LIBRARY_IMPL(seqgate, CPU, m) { m.impl("decode_attention", &decode_attention); }
