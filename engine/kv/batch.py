@@ -24,7 +24,7 @@ from engine.kv.host_memory import pages_on_write
 from engine.kv.slabs import RowKV, SlabCache, SlabLayer, new_slabs
 
 
-class Sequence(Protocol):
+class RowOwner(Protocol):
     """What the batch reads of a sequence that owns a row (engine.request.job.Sequence)."""
 
     kv_len: int  # tokens in the row's KV
@@ -43,7 +43,7 @@ GROWTH_COLUMNS = 64
 MAX_RESERVED_COLUMNS = 4096
 
 
-def headroom(seqs: list[Sequence], device: torch.device) -> int:
+def headroom(seqs: list[RowOwner], device: torch.device) -> int:
     """Columns a slab of `seqs` allocates beyond the longest row (see MAX_RESERVED_COLUMNS; a
     row's tokens left are bounded by the context length, checked at submission)."""
     if not pages_on_write(device):
@@ -52,7 +52,7 @@ def headroom(seqs: list[Sequence], device: torch.device) -> int:
     return GROWTH_COLUMNS + min(max(left, 0), MAX_RESERVED_COLUMNS)
 
 
-def reserved_slabs(like: torch.Tensor, seqs: list[Sequence], width: int,
+def reserved_slabs(like: torch.Tensor, seqs: list[RowOwner], width: int,
                    shapes: Callable[[int], list[tuple[tuple[int, ...], tuple[int, ...]]]]
                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`new_slabs` of `shapes(capacity)` for `width` columns and the `headroom` of `seqs`, or
@@ -70,7 +70,7 @@ def reserved_slabs(like: torch.Tensor, seqs: list[Sequence], width: int,
 class SubBatch:
     """Rows padded to one width that run one forward call per step."""
 
-    def __init__(self, seqs: list[Sequence], cache: SlabCache, width: int):
+    def __init__(self, seqs: list[RowOwner], cache: SlabCache, width: int):
         self.seqs = seqs
         self.cache = cache
         self.width = width  # columns in use (at least the longest row's length)
@@ -177,12 +177,12 @@ class SubBatch:
             layer._views()
 
     # -- membership changes in place ---------------------------------------------------------
-    def can_take(self, staying: list[Sequence], joining: list[RowKV]) -> bool:
+    def can_take(self, staying: list[RowOwner], joining: list[RowKV]) -> bool:
         """Whether the rows `staying` plus `joining` fit this slab without moving it."""
         longest = max([s.kv_len for s in staying] + [r.length for r in joining])
         return len(staying) + len(joining) <= self.row_capacity and longest <= self.end
 
-    def drop(self, leaving: set[Sequence]) -> None:
+    def drop(self, leaving: set[RowOwner]) -> None:
         """Remove rows: each hole takes the slab's last row (one row copied), then the window
         narrows to the longest row left."""
         layers = self.cache.layers
@@ -201,7 +201,7 @@ class SubBatch:
             layer.rows, layer.start = len(self.seqs), layer.end - self.width
             layer._views()
 
-    def add(self, seq: Sequence, row: RowKV) -> None:
+    def add(self, seq: RowOwner, row: RowKV) -> None:
         """Write a new row into the next spare row (`can_take` must hold), widening the window
         to its length when it is longer than every row (the newly used padding is zeroed)."""
         layers = self.cache.layers
@@ -223,7 +223,7 @@ class SubBatch:
         self.seqs.append(seq)
 
 
-def build_sub_batch(seqs: list[Sequence], sources: list[tuple[SubBatch, int] | RowKV]) -> SubBatch:
+def build_sub_batch(seqs: list[RowOwner], sources: list[tuple[SubBatch, int] | RowKV]) -> SubBatch:
     """Write rows into a fresh left-padded slab, `headroom` wide beyond the longest row,
     with a quarter more rows (rounded down) for rows that join later.
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from engine.kv.batch import Sequence, SubBatch, build_sub_batch
+from engine.kv.batch import RowOwner, SubBatch, build_sub_batch
 from engine.kv.slabs import RowKV
 
 
@@ -24,18 +24,18 @@ class RollingBatch:
         """Drop every row (their jobs ended)."""
         self.sub_batches = []
 
-    def regroup(self, groups: list[list[Sequence]], new_rows: dict[Sequence, RowKV]) -> None:
+    def regroup(self, groups: list[list[RowOwner]], new_rows: dict[RowOwner, RowKV]) -> None:
         """Lay the rows out as `groups`, editing a sub-batch in place where a group is its rows
         less some plus newly prefilled ones that fit (`SubBatch.can_take`), else building a fresh
         slab. Rows come from their current sub-batch or, newly prefilled, from `new_rows`. Rows
         in no group are dropped.
         """
-        where: dict[Sequence, tuple[SubBatch, int]] = {}
+        where: dict[RowOwner, tuple[SubBatch, int]] = {}
         for sb in self.sub_batches:
             for i, s in enumerate(sb.seqs):
                 where[s] = (sb, i)
 
-        def home(s: Sequence) -> SubBatch | None:
+        def home(s: RowOwner) -> SubBatch | None:
             return where[s][0] if s in where else None
 
         edits: dict[int, SubBatch] = {}  # group index -> the sub-batch edited into it
