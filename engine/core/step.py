@@ -50,7 +50,7 @@ class EngineCore:
         self.lean_layers = prepared.lean_layers
         self.decode_kernel_layers = prepared.decode_kernel_layers
         self.prefix_cache = RadixPrefixCache(config.prompt_cache_bytes)
-        self.caching = CachePolicy(self.prefix_cache, bool(config.prompt_cache_bytes))
+        self.caching = CachePolicy(self.prefix_cache)
         # Ranks in lock step must plan alike: no costs read from each one's clock.
         self.scheduler = Scheduler(
             config, self.prefix_cache,

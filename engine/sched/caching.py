@@ -19,13 +19,12 @@ CACHED_ENDINGS = frozenset({SeqStatus.EOS, SeqStatus.STOP_TOKEN, SeqStatus.STOP_
 class CachePolicy:
     """Inserts into `cache` what the step produced that a later request may start with."""
 
-    def __init__(self, cache: RadixPrefixCache, enabled: bool):
+    def __init__(self, cache: RadixPrefixCache):
         self.cache = cache
-        self.enabled = enabled
 
     def prompt_done(self, job: Job, hidden: torch.Tensor | None) -> None:
         """A prompt's KV (and its hidden states, for contrastive search) is complete."""
-        if self.enabled:
+        if self.cache.capacity_bytes:
             row = row_from_cache(job.kv)
             self.cache.insert(job.prompt_ids, PrefixEntry(row.keys, row.values, hidden,
                                                           row.length))
@@ -33,7 +32,7 @@ class CachePolicy:
     def step_done(self, sub_batches: list[SubBatch]) -> None:
         """Cache every sequence that ended this step normally, prompt and answer. Its KV is still
         in the batch until the next step's regroup drops the row."""
-        if not self.enabled:
+        if not self.cache.capacity_bytes:
             return
         for sb in sub_batches:
             for i, s in enumerate(sb.seqs):
