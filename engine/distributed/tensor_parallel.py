@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from engine.errors import QueueFull
-from engine.model.loader import check_source
+from engine.model.loader import check_source, prefer_expandable_segments
 from engine.outputs import JobDelta
 from engine.request.job import Job, new_job
 
@@ -206,6 +206,7 @@ def join(rank: int, world: int, port: int, config: EngineConfig) -> None:
     cuda = config.device.startswith("cuda") or (config.device == "auto"
                                                 and torch.cuda.is_available())
     if cuda:
+        prefer_expandable_segments()  # set_device starts CUDA, which reads the setting once
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
                             timeout=RANK_TIMEOUT)

@@ -15,6 +15,7 @@ Only the rest is rebuilt into a fresh slab.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Protocol
 
@@ -41,30 +42,61 @@ GROWTH_COLUMNS = 64
 # (engine.kv.host_memory), so columns never written cost address space, not memory, and decode
 # steps never move the slab (a move is the longest step a running stream sees).
 MAX_RESERVED_COLUMNS = 4096
+# Where memory is taken at allocation (a device's, or the CPU's under strict overcommit
+# accounting) a slab reserves what its rows may still generate only up to this many columns at
+# once, and past that doubles when full: a move copies the whole slab while holding both
+# copies, and with GROWTH_COLUMNS alone it came every 64 decode steps.
+CHARGED_RESERVED_COLUMNS = 1024
 
 
-def headroom(seqs: list[RowOwner], device: torch.device) -> int:
-    """Columns a slab of `seqs` allocates beyond the longest row (see MAX_RESERVED_COLUMNS; a
-    row's tokens left are bounded by the context length, checked at submission)."""
-    if not pages_on_write(device):
-        return GROWTH_COLUMNS
-    left = max((s.tokens_left for s in seqs), default=0)
-    return GROWTH_COLUMNS + min(max(left, 0), MAX_RESERVED_COLUMNS)
+def slab_columns(capacity: int, needed: int, left: int, lazy: bool) -> int:
+    """The column capacity of a slab (re)allocated for a window of `needed` columns, when the
+    window has `capacity` columns in the current block (0 for a new slab), its rows may still
+    generate at most `left` tokens (each one more column), and its block takes memory only
+    where written (`lazy`, `pages_on_write`: the CPU) or is charged whole (a device).
+
+    Lazy: `needed` plus GROWTH_COLUMNS plus `left` up to MAX_RESERVED_COLUMNS. Charged: the
+    same up to CHARGED_RESERVED_COLUMNS, and at least double `capacity` when the window outgrew
+    it (so n decode steps move a slab O(log n) times), never past what the rows may still write
+    (a row's tokens left are bounded by the context length, checked at submission).
+    """
+    left = max(left, 0)
+    if lazy:
+        return needed + GROWTH_COLUMNS + min(left, MAX_RESERVED_COLUMNS)
+    reserved = needed + GROWTH_COLUMNS + min(left, CHARGED_RESERVED_COLUMNS)
+    doubled = 2 * capacity if needed > capacity else capacity
+    return min(max(reserved, doubled), needed + GROWTH_COLUMNS + left)
+
+
+def tokens_left(seqs: list[RowOwner]) -> int:
+    """The most tokens any of `seqs` may still generate."""
+    return max((s.tokens_left for s in seqs), default=0)
+
+
+def headroom(seqs: list[RowOwner], device: torch.device, needed: int, capacity: int = 0) -> int:
+    """Columns a slab of `seqs` on `device` allocates beyond the `needed` its window fills, when
+    the block fits (`slab_columns`; `capacity`: the window's columns in the current block)."""
+    lazy = pages_on_write(device)
+    return slab_columns(capacity, needed, tokens_left(seqs), lazy) - needed
 
 
 def reserved_slabs(like: torch.Tensor, seqs: list[RowOwner], width: int,
-                   shapes: Callable[[int], list[tuple[tuple[int, ...], tuple[int, ...]]]]
-                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`new_slabs` of `shapes(capacity)` for `width` columns and the `headroom` of `seqs`, or
-    only GROWTH_COLUMNS beyond when the reservation cannot be mapped (strict overcommit
-    accounting, a virtual memory limit)."""
-    room = headroom(seqs, like.device)
-    try:
-        return new_slabs(like, shapes(width + room))
-    except OSError:
-        if room == GROWTH_COLUMNS:
-            raise
-        return new_slabs(like, shapes(width + GROWTH_COLUMNS))
+                   shapes: Callable[[int], list[tuple[tuple[int, ...], tuple[int, ...]]]],
+                   capacity: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`new_slabs` of `shapes(columns)` for `width` columns and the `headroom` of `seqs`. Where
+    that does not fit, the reservation of a block charged whole (the CPU under strict overcommit
+    accounting or a virtual memory limit), then only GROWTH_COLUMNS beyond (memory running out).
+    """
+    least = width + GROWTH_COLUMNS
+    failed = math.inf
+    for columns in (width + headroom(seqs, like.device, width, capacity),
+                    slab_columns(capacity, width, tokens_left(seqs), lazy=False)):
+        if least < columns < failed:
+            try:
+                return new_slabs(like, shapes(columns))
+            except (OSError, torch.OutOfMemoryError):
+                failed = columns
+    return new_slabs(like, shapes(least))
 
 
 class SubBatch:
@@ -169,7 +201,9 @@ class SubBatch:
             return [((*la.kbuf.shape[:2], capacity, la.kbuf.shape[-1]),
                      (*la.vbuf.shape[:2], capacity, la.vbuf.shape[-1])) for la in layers]
 
-        for layer, (k, v) in zip(layers, reserved_slabs(first.kbuf, self.seqs, columns, shapes)):
+        slabs = reserved_slabs(first.kbuf, self.seqs, columns, shapes,
+                               first.capacity - first.start)
+        for layer, (k, v) in zip(layers, slabs):
             n, used = layer.rows, layer.end - layer.start
             k[:n, :, :used] = layer.kbuf[:n, :, layer.start : layer.end]
             v[:n, :, :used] = layer.vbuf[:n, :, layer.start : layer.end]

