@@ -123,6 +123,7 @@ def use_replicas(settings: Settings, gateway: GatewayState) -> None:
                             f"Serve, which is not installed ({exc}): pip install "
                             "'seqgate[ray]'") from None
     started_ray = cluster.connect_ray()
+    cluster.replica_gpus(settings)  # GPUs that cannot hold the replicas: refused before serving
     gateway.build_engine = lambda _config: cluster.deploy_replicas(settings, started_ray)
     gateway.replica_report = replica_report
     gateway.metrics.registry.register(ReplicaCollector())

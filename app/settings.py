@@ -72,6 +72,7 @@ class ReplicaSettings:
     max_replicas: int = 0
     target_queue_depth: int = 4
     replica_cpus: float = 1.0  # Ray CPUs reserved per replica (and its torch threads, if unset)
+    replica_gpus: float = 0.0  # Ray GPUs per replica on CUDA: a share of one (0: one GPU each)
 
     @property
     def enabled(self) -> bool:
@@ -263,6 +264,9 @@ OPTIONS: tuple[Option, ...] = (
            "autoscaling target: jobs waiting per replica beyond a full batch"),
     Option("replica_cpus", "replicas", _float(0.0), (), "--replica-cpus",
            "Ray CPUs per replica; also its torch threads unless --num-threads is set"),
+    Option("replica_gpus", "replicas", _float(0.0, 1.0), (), "--replica-gpus",
+           "Ray GPUs per replica when the engine runs on CUDA: a share of one GPU, e.g. 0.5 "
+           "for two replicas per GPU (0: one GPU each)"),
     Option("host", "server", lambda v: v.strip(), (), "--host"),
     Option("port", "server", _int(0), (), "--port"),
     Option("api_keys", "server", _list, (), "--api-key",

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from app.settings import SettingsError, load_settings
 from tests.app.replicas.conftest import REPO
@@ -29,6 +30,8 @@ def test_flags_and_environment_set_the_replicas():
     ({"replicas": "0"}, "--replicas='0' is invalid: expected an integer >= 1"),
     ({"replicas": "3", "max_replicas": "2"}, "--max-replicas=2 is below --replicas=3"),
     ({"replicas": "2", "min_replicas": "3"}, "--min-replicas=3 is above --replicas=2"),
+    ({"replica_gpus": "1.5"}, "--replica-gpus='1.5' is invalid: expected a number in [0.0, 1.0]"),
+    ({"replica_gpus": "half"}, "--replica-gpus='half' is invalid: expected a number in"),
     ({"replicas": "2", "tensor_parallel_degree": "2"},
      "--tensor-parallel-degree=2 with replicas: .* not supported yet"),
 ])
@@ -37,9 +40,20 @@ def test_invalid_replica_settings_are_refused_by_name(flags, message):
         load_settings(flags, env={})
 
 
-def test_deployment_options_map_the_settings_to_ray_serve():
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretend this machine has CUDA with this many GPUs (the only thing mocked)."""
+    def have(count: int) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+    return have
+
+
+def test_deployment_options_map_the_settings_to_ray_serve(gpus):
     from app.replicas.cluster import deployment_options, replica_engine_config
 
+    gpus(0)  # CPU replicas whatever this machine has
     fixed = load_settings({"replicas": "2", "max_rolling_batch_size": "8",
                            "job_queue_size": "4", "router": "round_robin"}, env={})
     opts = deployment_options(fixed)
@@ -54,6 +68,52 @@ def test_deployment_options_map_the_settings_to_ray_serve():
     assert "num_replicas" not in deployment_options(scaling)
     assert (auto.min_replicas, auto.initial_replicas, auto.max_replicas) == (1, 2, 4)
     assert auto.target_ongoing_requests == 8 + 2
+
+
+def test_cuda_replicas_reserve_one_gpu_each(gpus):
+    from app.replicas.cluster import deployment_options
+
+    gpus(2)
+    opts = deployment_options(load_settings({"replicas": "2"}, env={}))  # device auto
+    assert opts["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
+
+
+def test_cpu_replicas_reserve_no_gpu(gpus):
+    from app.replicas.cluster import deployment_options
+
+    gpus(2)
+    on_cpu = load_settings({"replicas": "2", "device": "cpu", "replica_gpus": "0.5"}, env={})
+    assert "num_gpus" not in deployment_options(on_cpu)["ray_actor_options"]
+    gpus(0)
+    auto = load_settings({"replicas": "2"}, env={})
+    assert deployment_options(auto)["ray_actor_options"] == {"num_cpus": 1.0}
+
+
+def test_a_gpu_share_puts_several_replicas_on_a_gpu(gpus):
+    from app.replicas.cluster import deployment_options, replica_engine_config
+
+    gpus(2)
+    shared = load_settings({"replicas": "4", "device": "cuda:1"},
+                           env={"SEQGATE_REPLICA_GPUS": "0.5"})
+    assert shared.replicas.replica_gpus == 0.5
+    assert deployment_options(shared)["ray_actor_options"]["num_gpus"] == 0.5
+    assert replica_engine_config(shared).device == "cuda"  # Ray picks each replica's GPU
+
+
+@pytest.mark.parametrize(("count", "flags", "message"), [
+    (2, {"replicas": "3"}, "--replicas=3 needs 3 GPUs, 2 visible: expected at most 2 replicas, "
+                           "or --replica-gpus=0.5 to share the GPUs"),
+    (2, {"replicas": "5", "replica_gpus": "0.5"},
+     "--replicas=5 with --replica-gpus=0.5 needs 3 GPUs, 2 visible: expected at most 4 "
+     "replicas, or --replica-gpus=0.3333"),
+    (0, {"replicas": "2", "device": "cuda"}, "--device=cuda runs the replicas on CUDA, but no GPU"),
+])
+def test_more_cuda_replicas_than_the_gpus_hold_are_refused(gpus, count, flags, message):
+    from app.replicas.cluster import deployment_options
+
+    gpus(count)
+    with pytest.raises(SettingsError, match=message.replace("[", r"\[")):
+        deployment_options(load_settings(flags, env={}))
 
 
 def test_replicas_without_the_ray_extra_stop_start_up_with_the_install_command():
