@@ -108,9 +108,9 @@ def _venv_script(name: str) -> str:
 def local_model_dir() -> Path:
     """The safetensors copy of the embedded model that seqgate's loader caches (made if missing:
     the first load de-quantises the GGUF, about 15 s)."""
-    from engine.model.loader import _gguf_cache_path, default_cache_dir, embedded_model_path
+    from engine.model.loader import default_cache_dir, embedded_model_path, gguf_cache_path
 
-    path = _gguf_cache_path(embedded_model_path(), default_cache_dir())
+    path = gguf_cache_path(embedded_model_path(), default_cache_dir())
     if not (path / "model.safetensors").is_file():
         from engine import EngineConfig, load_model
 

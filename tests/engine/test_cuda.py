@@ -1,19 +1,26 @@
 """The CUDA path (marked `gpu`; skipped where torch sees no CUDA device). `scripts/gpu_check.sh`
-runs these and the engine benchmarks on a GPU machine in one command.
+runs these inside the GPU check (bench/gpu_check.py), which points SEQGATE_GPU_MODEL at the
+SmolLM2-shaped model it made; without it the embedded SmolLM2-135M is loaded.
 
-The model is the embedded SmolLM2-135M (it fits any GPU). Parity with `generate` is asserted in
-fp32 with TF32 off: reduced-precision kernels pick different tile orders for different batch
-shapes, so bf16 and fp16 are checked for loading and finishing, not token equality.
+cuBLAS chooses kernels by shape, so even fp32 with TF32 off is not batch-invariant on a GPU: greedy
+parity is asserted by the top-2-margin rule (each engine token is the reference's argmax given the
+engine's prefix, or within MARGIN of it). bf16 and fp16 are judged against fp32 by next-token KL
+and top-1 agreement, and their logprobs must be finite.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import statistics
+
 import pytest
 import torch
 
+from bench.gpu_check import MARGIN, forward_logits, kl_top1, margin_report
 from engine import EngineConfig, SamplingParams, load_model
 from engine.model.quantize import PackedLinear
-from tests.engine.helpers import collect, reference_greedy, varied_prompts
+from tests.engine.helpers import collect, varied_prompts
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,37 +38,54 @@ def _chat(tok, user: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
+def _load(dtype: str, **kw):
+    return load_model(EngineConfig(model_id=os.environ.get("SEQGATE_GPU_MODEL"), device="cuda",
+                                   dtype=dtype, **kw))
+
+
 @pytest.fixture(scope="module")
 def cuda_fp32():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    return load_model(EngineConfig(device="cuda", dtype="fp32"))
+    return _load("fp32")
 
 
-def _greedy(n: int) -> SamplingParams:
-    return SamplingParams(strategy="greedy", max_new_tokens=n, min_new_tokens=n)
+def _greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(strategy="greedy", max_new_tokens=n, min_new_tokens=n, **kw)
+
+
+# Mean next-token KL(fp32 || half) bounds, with room over what the GPU check measured.
+HALF_KL = {"bf16": 5e-3, "fp16": 1e-3}
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_loads_and_serves_in_half_precision(dtype, make_engine):
-    loaded = load_model(EngineConfig(device="cuda", dtype=dtype))
+def test_half_precision_is_close_to_fp32(dtype, cuda_fp32, make_engine):
+    """The engine in half precision serves whole budgets with finite logprobs, and its model's
+    next-token distributions on those outputs stay near fp32's."""
+    loaded = _load(dtype)
     want = torch.bfloat16 if dtype == "bf16" else torch.float16
     assert loaded.device.type == "cuda"
     assert {p.dtype for p in loaded.model.parameters()} == {want}
-    assert all(p.is_cuda for p in loaded.model.parameters())
     eng = make_engine(loaded, max_sparsity=0.05)
     prompts = varied_prompts(loaded.tokenizer, 6)
-    handles = [eng.submit(ids, _greedy(12)) for ids in prompts]
+    handles = [eng.submit(ids, _greedy(12, logprobs=True)) for ids in prompts]
     eng.run_until_idle()
-    for h in handles:
+    kls = []
+    for ids, h in zip(prompts, handles):
         out = collect(h)[0]
         assert len(out["tokens"]) == 12 and out["finish"] == "length"
+        assert all(math.isfinite(lp.logprob) for lp in out["logprobs"]), "non-finite logprobs"
+        ref = forward_logits(cuda_fp32.model, ids + out["tokens"])[len(ids) - 1:]
+        kl, _ = kl_top1(ref, forward_logits(loaded.model, ids + out["tokens"])[len(ids) - 1:])
+        kls += kl
+    assert all(math.isfinite(k) for k in kls)
+    assert statistics.fmean(kls) < HALF_KL[dtype], f"mean KL {statistics.fmean(kls):.3g}"
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "forward-per-group"])
-def test_rolling_batch_with_splitting_and_cache_equals_generate(cuda_fp32, make_engine, fuse):
+def test_rolling_batch_with_splitting_and_cache_keeps_greedy(cuda_fp32, make_engine, fuse):
     """Prompts of 5 to 500 tokens and chats sharing a cached system prompt, cut into chunks by a
-    37-token budget, split into sub-batches, on the GPU: each equals generate on the GPU."""
+    37-token budget, split into sub-batches, on the GPU: every token is greedy's (margin rule)."""
     tok = cuda_fp32.tokenizer
     eng = make_engine(cuda_fp32, max_rolling_batch_size=16, max_sparsity=0.05, max_splits=3,
                       fuse_sub_batches=fuse, max_num_batched_tokens=37)
@@ -82,9 +106,12 @@ def test_rolling_batch_with_splitting_and_cache_equals_generate(cuda_fp32, make_
     assert max(s.sub_batches for s in stats) > 1, "splitting never happened"
     assert eng.stats().cached_tokens > 0, "the prompt cache was never hit"
     for h, ids, n in zip(handles, jobs, budgets):
-        assert collect(h)[0]["tokens"] == reference_greedy(cuda_fp32.model, ids, n, n)
+        tokens = collect(h)[0]["tokens"]
+        assert len(tokens) == n
+        report = margin_report(cuda_fp32.model, ids, tokens)
+        assert report["violations"] == 0, f"a token beyond the {MARGIN} margin: {report}"
 
 
 def test_quantize_is_ignored_on_cuda():
-    loaded = load_model(EngineConfig(device="cuda", dtype="bf16", quantize="int4"))
+    loaded = _load("bf16", quantize="int4")
     assert not any(isinstance(m, PackedLinear) for m in loaded.model.modules())

@@ -1,0 +1,779 @@
+"""The GPU check: the engine's CUDA path proven in one process, every section's result in one JSON.
+
+    bash scripts/gpu_check.sh --prepare             # here, with a package index: fills .gpu/
+    bash scripts/gpu_check.sh                       # on the GPU machine, no index: from .gpu/
+    bash scripts/gpu_check.sh --device cpu --quick  # the same check on the CPU (in the suite)
+
+The GPU machines we can borrow have PyTorch with CUDA but no package index, take the working tree
+plus 64 MiB and give a command about 8 minutes. So `--prepare` gathers into `.gpu/` the wheels of
+what seqgate imports that such a machine lacks and the embedded model's config and tokenizer (its
+weights are too large to travel); the check makes SmolLM2-shaped weights from a fixed seed, writes
+them as a model directory and loads that through the engine's own loader.
+
+Random weights give flat next-token distributions, so near-ties are common: greedy parity is judged
+by a top-2-margin rule (every engine token must be the reference's argmax, or within MARGIN of its
+logit, given the engine's own prefix) beside the count of outputs equal to `generate` token for
+token. Sections run in order of importance until the time budget is spent; each writes its result
+to `check.json` as it ends, so a run that is cut short still returns what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU_DIR = ROOT / ".gpu"
+SEED = 1234
+# fp32 logits on a GPU differ by ~1e-5 between batch shapes (cuBLAS picks kernels by shape); a gap
+# under this between the engine's token and the reference's argmax is a near-tie, not a bug.
+MARGIN = 2e-3
+TRAVEL_LIMIT = 64 * 2**20  # bytes of ignored files a GPU call takes beside the tree
+SYSTEM = ("You are a careful assistant for a shipping company. Answer briefly, cite the policy "
+          "section when you can, and never invent tracking numbers. Be polite and concise.")
+SENTENCES = ("The river ran quietly past the old mill, carrying leaves from the autumn trees. ",
+             "Engineers measured the bridge twice before they trusted the numbers. ",
+             "In the morning market, traders called out prices for fish, bread and spices. ")
+
+# What seqgate (engine, app, the openai SDK for the HTTP section) imports, by distribution name.
+ROOTS = ("litestar", "uvicorn", "msgspec", "llguidance", "openai")
+# Distributions the GPU machines' image already has (the device library's KINDS.md, 2026-11-17),
+# among those the roots need: carried wheels would shadow them for nothing. typing-extensions and
+# anyio travel anyway: pydantic and httpx2 need versions newer than an image may hold.
+GPU_IMAGE_HAS = frozenset("""
+certifi click h11 httpcore httpx idna jinja2 markupsafe markdown-it-py mdurl multidict numpy
+packaging prometheus-client psutil pygments pyyaml rich tqdm tokenizers tiktoken transformers torch
+safetensors accelerate huggingface-hub regex filelock fsspec pytest ninja
+""".split())
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
+WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
+                   "manylinux2014_x86_64", "manylinux1_x86_64", "manylinux_2_24_x86_64",
+                   "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64")
+
+
+# -- preparing .gpu/ (here, with a package index) --------------------------------------------------
+def needed_distributions(roots=ROOTS, has=GPU_IMAGE_HAS) -> dict[str, str]:
+    """name -> version (as installed here) of every distribution the roots need on Python 3.12
+    that the GPU image lacks."""
+    from importlib import metadata
+
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    env = {**default_environment(), "python_version": "3.12", "python_full_version": "3.12.3",
+           "platform_machine": "x86_64", "sys_platform": "linux", "extra": ""}
+    seen: dict[str, str] = {}
+    todo = [canonicalize_name(r) for r in roots]
+    while todo:
+        name = todo.pop()
+        if name in seen or name in has:
+            continue
+        dist = metadata.distribution(name)
+        seen[name] = dist.version
+        for spec in dist.requires or []:
+            req = Requirement(spec)
+            if req.marker is None or req.marker.evaluate(env):
+                todo.append(canonicalize_name(req.name))
+    return dict(sorted(seen.items()))
+
+
+def _pip(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", *args], check=True)
+
+
+def prepare(dest: Path = GPU_DIR) -> dict:
+    """Fill `dest` with wheels, model files and the revision; prove the wheels install for the GPU
+    machine's Python. Returns the manifest it writes."""
+    shutil.rmtree(dest, ignore_errors=True)
+    wheels = dest / "wheels"
+    wheels.mkdir(parents=True)
+    dists = needed_distributions()
+    platforms = [a for p in WHEEL_PLATFORMS for a in ("--platform", p)]
+    _pip("download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+         "--implementation", "cp", *platforms, "-d", str(wheels), "-q",
+         *(f"{n}=={v}" for n, v in dists.items()))
+    with tempfile.TemporaryDirectory() as target:  # what the GPU machine will do, for its Python
+        _pip("install", "--no-index", "--no-deps", "--only-binary=:all:", "--target", target, "-q",
+             "--python-version", "3.12", *platforms, *map(str, sorted(wheels.glob("*.whl"))))
+    write_model_files(dest / "model")
+    manifest = {"distributions": dists, "revision": _git_revision(),
+                "bytes": sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())}
+    (dest / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    if manifest["bytes"] > TRAVEL_LIMIT:
+        raise SystemExit(f"{dest} holds {manifest['bytes'] / 2**20:.1f} MiB, over the 64 MiB that "
+                         "travels with the tree")
+    print(f"{dest}: {len(dists)} wheels and the model files, {manifest['bytes'] / 2**20:.1f} MiB "
+          "(the limit for what travels with the tree is 64 MiB)")
+    return manifest
+
+
+def write_model_files(dest: Path) -> Path:
+    """The embedded model's config, tokenizer and chat template (not its weights) as a directory:
+    from the loader's safetensors cache where it exists (fast), else from the GGUF."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from engine import EngineConfig
+    from engine.model.loader import cache_dir, embedded_model_path, gguf_cache_path
+
+    gguf = embedded_model_path()
+    cached = gguf_cache_path(gguf, cache_dir(EngineConfig()))
+    source = ((cached, {}) if (cached / "config.json").is_file()
+              else (gguf.parent, {"gguf_file": gguf.name}))
+    dest.mkdir(parents=True, exist_ok=True)
+    AutoConfig.from_pretrained(source[0], **source[1]).save_pretrained(dest)
+    AutoTokenizer.from_pretrained(source[0], **source[1]).save_pretrained(dest)
+    return dest
+
+
+def _git_revision() -> str | None:
+    try:
+        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "-uno"],
+                               capture_output=True, text=True).stdout.strip()
+        return rev + ("+changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+# -- numerical judges ------------------------------------------------------------------------------
+def forward_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """fp32 log-probabilities of every next token of `ids`, one unpadded forward through
+    transformers' own layers (the engine may have swapped in its own)."""
+    from engine.model.llama_layers import original_layers
+
+    with torch.inference_mode(), original_layers(model):
+        out = model(torch.tensor([ids], device=model.device)).logits[0]
+    return out.float().log_softmax(-1)
+
+
+def margin_report(model: torch.nn.Module, prompt: list[int], tokens: list[int],
+                  margin: float = MARGIN) -> dict:
+    """Each engine token against the reference, given the engine's own prefix: the argmax, or a
+    near-tie (within `margin` of the argmax's log-probability), or a violation."""
+    if not tokens:
+        return {"positions": 0, "exact": 0, "near_ties": 0, "violations": 0, "worst_gap": 0.0}
+    logp = forward_logits(model, prompt + tokens)[len(prompt) - 1: -1]
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0]
+    gap = (logp.max(-1).values - chosen).cpu()
+    exact = int((gap == 0).sum())
+    violations = int((gap > margin).sum())
+    return {"positions": len(tokens), "exact": exact, "near_ties": len(tokens) - exact - violations,
+            "violations": violations, "worst_gap": float(gap.max())}
+
+
+def kl_top1(ref: torch.Tensor, other: torch.Tensor) -> tuple[list[float], list[bool]]:
+    """Per position: KL(ref || other) of two log-probability rows; whether their argmaxes agree."""
+    kl = (ref.exp() * (ref - other)).sum(-1)
+    return kl.tolist(), (ref.argmax(-1) == other.argmax(-1)).tolist()
+
+
+# -- the check's context ---------------------------------------------------------------------------
+class Check:
+    """The run: where it writes, what it has loaded, the time left."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.quick = args.quick
+        self.device = torch.device(args.device)
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.deadline = time.monotonic() + args.budget_s
+        self.results: dict = {"sections": {}}
+        self.model_dir: Path | None = None
+        self.models: dict[str, object] = {}  # dtype -> LoadedModel
+        self.sequences: list[tuple[list[int], list[int]]] = []  # fp32 engine outputs
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def save(self) -> None:
+        (self.out / "check.json").write_text(json.dumps(self.results, indent=2, default=str))
+
+    def loaded(self, dtype: str):
+        from engine import EngineConfig, load_model
+
+        if dtype not in self.models:
+            self.models[dtype] = load_model(EngineConfig(model_id=str(self.model_dir),
+                                                         device=str(self.device), dtype=dtype))
+        return self.models[dtype]
+
+    def engine(self, dtype: str = "fp32", **config):
+        from engine import Engine, EngineConfig
+
+        eng = Engine(EngineConfig(device=str(self.device), **config), loaded=self.loaded(dtype))
+        eng.start(background=False)
+        return eng
+
+    def prompts(self, count: int, tokenizer) -> list[list[int]]:
+        """Chats sharing a system prompt (the prefix cache's case), with user turns of a few to a
+        few hundred tokens (to a few dozen with --quick)."""
+        out = []
+        for i in range(count):
+            sentences = (i * 7) % (5 if self.quick else 23)
+            body = "".join(SENTENCES[j % len(SENTENCES)] for j in range(sentences))
+            text = tokenizer.apply_chat_template(
+                [{"role": "system", "content": SYSTEM},
+                 {"role": "user", "content": f"{body}Question {i}: what happened next?"}],
+                tokenize=False, add_generation_prompt=True)
+            out.append(tokenizer.encode(text, add_special_tokens=False))
+        return out
+
+
+def greedy(n: int, **kw):
+    from engine import SamplingParams
+
+    return SamplingParams(strategy="greedy", max_new_tokens=n, min_new_tokens=n, **kw)
+
+
+def drain(handle) -> dict[int, dict]:
+    """A finished job's sequences: tokens, finish reason, logprobs."""
+    seqs: dict[int, dict] = {}
+    for d in handle.iter_sync(timeout=0):
+        s = seqs.setdefault(d.index, {"tokens": [], "finish": None, "logprobs": []})
+        s["tokens"] += d.token_ids
+        s["logprobs"] += d.logprobs or []
+        s["finish"] = d.finish_reason or s["finish"]
+    return seqs
+
+
+def release(eng) -> None:
+    eng.stop(drain=False)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# -- sections --------------------------------------------------------------------------------------
+def section_env(c: Check) -> dict:
+    import transformers
+
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "transformers": transformers.__version__,
+            "device": str(c.device), "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(), "quick": c.quick,
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+    manifest = GPU_DIR / "manifest.json"
+    info["revision"] = (json.loads(manifest.read_text())["revision"] if manifest.is_file()
+                        else _git_revision())
+    for name in ROOTS:
+        with contextlib.suppress(Exception):
+            from importlib import metadata
+            info[name] = metadata.version(name)
+    if c.on_cuda:
+        free, total = torch.cuda.mem_get_info(c.device)
+        props = torch.cuda.get_device_properties(c.device)
+        info.update(gpu=props.name, capability=f"{props.major}.{props.minor}",
+                    multiprocessors=props.multi_processor_count,
+                    free_gib=round(free / 2**30, 2), total_gib=round(total / 2**30, 2))
+    return info
+
+
+def section_model(c: Check) -> dict:
+    """SmolLM2-shaped weights from a fixed seed, written as a model directory beside its
+    tokenizer files (2 layers with --quick)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    files = Path(c.args.model_files) if c.args.model_files else None
+    if files is None or not (files / "config.json").is_file():
+        files = write_model_files(c.out / "model-files")
+    config = AutoConfig.from_pretrained(files)
+    if c.quick:
+        config.num_hidden_layers = 2
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    c.model_dir = Path(tempfile.mkdtemp(prefix="seqgate-check-model-"))
+    model.save_pretrained(c.model_dir)
+    for name in TOKENIZER_FILES:
+        if (files / name).is_file():
+            shutil.copy(files / name, c.model_dir / name)
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    os.environ["SEQGATE_GPU_MODEL"] = str(c.model_dir)  # the `gpu` tests load it too
+    return {"layers": config.num_hidden_layers, "hidden": config.hidden_size,
+            "parameters_m": round(params / 1e6, 1), "seed": SEED, "weights": "random"}
+
+
+def section_parity(c: Check) -> dict:
+    """fp32, TF32 off: a rolling batch with splitting, 37-token prompt chunks and the prefix
+    cache, against the reference by the margin rule and against `generate` token for token."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    loaded = c.loaded("fp32")
+    n_prompts, n_tokens = (4, 8) if c.quick else (12, 24)
+    prompts = c.prompts(n_prompts, loaded.tokenizer)
+    eng = c.engine(max_rolling_batch_size=16, max_sparsity=0.05, max_splits=3,
+                   max_num_batched_tokens=37)
+    first = eng.submit(prompts[0], greedy(4))
+    eng.run_until_idle()  # the system prompt is cached now
+    drain(first)
+    handles = []
+    for i, ids in enumerate(prompts):
+        handles.append(eng.submit(ids, greedy(n_tokens + 2 * (i % 3))))
+        if i % 3 == 2:
+            eng.step()  # later jobs join a running batch
+    stats = eng.run_until_idle()
+    cached = eng.stats().cached_tokens
+    release(eng)
+    totals: Counter = Counter()
+    equal_generate, worst = 0, 0.0
+    c.sequences = []
+    for ids, h in zip(prompts, handles):
+        tokens = drain(h)[0]["tokens"]
+        c.sequences.append((ids, tokens))
+        rep = margin_report(loaded.model, ids, tokens)
+        worst = max(worst, rep.pop("worst_gap"))
+        totals.update(rep)
+        equal_generate += tokens == reference_generate(loaded.model, ids, len(tokens))
+    return {"jobs": len(prompts), "max_sub_batches": max(s.sub_batches for s in stats),
+            "cached_prompt_tokens": cached, "equal_to_generate": equal_generate, **totals,
+            "worst_gap": worst, "margin": MARGIN, "ok": totals["violations"] == 0}
+
+
+def reference_generate(model, ids: list[int], n: int) -> list[int]:
+    from engine.model.llama_layers import original_layers
+
+    with torch.inference_mode(), original_layers(model):
+        out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=n,
+                             min_new_tokens=n, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def section_half(c: Check) -> dict:
+    """bf16 and fp16 against fp32: next-token KL and top-1 on the fp32 engine's sequences
+    (teacher-forced), then the engine itself in half precision (finite logprobs, full length)."""
+    ref_model = c.loaded("fp32").model
+    dtypes = ["bf16"] + (["fp16"] if c.on_cuda else [])
+    out = {}
+    for dtype in dtypes:
+        loaded = c.loaded(dtype)
+        kls, top1 = [], []
+        for ids, tokens in c.sequences:
+            ref = forward_logits(ref_model, ids + tokens)[len(ids) - 1:]
+            half = forward_logits(loaded.model, ids + tokens)[len(ids) - 1:]
+            k, t = kl_top1(ref, half)
+            kls += k
+            top1 += t
+        eng = c.engine(dtype, max_rolling_batch_size=8, max_sparsity=0.05)
+        handles = [eng.submit(ids, greedy(12, logprobs=True, top_logprobs=2))
+                   for ids, _ in c.sequences[:6]]
+        eng.run_until_idle()
+        release(eng)
+        seqs = [drain(h)[0] for h in handles]
+        finite = all(math.isfinite(lp.logprob) for s in seqs for lp in s["logprobs"])
+        full = all(len(s["tokens"]) == 12 for s in seqs)
+        out[dtype] = {"positions": len(kls), "mean_kl": statistics.fmean(kls) if kls else None,
+                      "max_kl": max(kls, default=None),
+                      "top1": sum(top1) / len(top1) if top1 else None,
+                      "engine_logprobs_finite": finite, "engine_full_length": full,
+                      "ok": finite and full and all(math.isfinite(k) for k in kls)}
+        c.models.pop(dtype)
+    out["ok"] = all(v["ok"] for v in out.values())
+    return out
+
+
+def section_features(c: Check) -> dict:
+    """Sampling with and without seeds, contrastive search, a JSON-schema grammar, logprobs,
+    penalties, n > 1 and an abort, in one fp32 batch."""
+    from engine import SamplingParams
+    from engine.sample.grammar import Grammar, GrammarCompiler
+
+    loaded = c.loaded("fp32")
+    eng = c.engine(max_rolling_batch_size=16)
+    ids = c.prompts(1, loaded.tokenizer)[0]
+    compiler = GrammarCompiler(loaded.tokenizer, loaded.model.config.vocab_size,
+                               [loaded.tokenizer.eos_token_id])
+    # Bounded fields: random weights would otherwise write digits until the token budget ends.
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "open": {"type": "boolean"}},
+              "required": ["city", "open"], "additionalProperties": False}
+    jobs = {
+        "seeded_a": SamplingParams(strategy="sample", seed=7, max_new_tokens=16),
+        "seeded_b": SamplingParams(strategy="sample", seed=7, max_new_tokens=16),
+        "unseeded_a": SamplingParams(strategy="sample", temperature=1.5, max_new_tokens=16),
+        "unseeded_b": SamplingParams(strategy="sample", temperature=1.5, max_new_tokens=16),
+        "contrastive": SamplingParams(strategy="contrastive", top_k=4, max_new_tokens=12,
+                                      min_new_tokens=12),
+        "grammar": SamplingParams(strategy="greedy", max_new_tokens=48,
+                                  grammar=compiler.compile(Grammar.json_schema(schema))),
+        "logprobs": greedy(8, logprobs=True, top_logprobs=5),
+        "penalties": greedy(16, frequency_penalty=1.5, presence_penalty=1.0,
+                            repetition_penalty=1.3),
+        "n3": SamplingParams(strategy="sample", seed=3, n=3, max_new_tokens=8),
+        "abort": greedy(400),
+    }
+    handles = {k: eng.submit(ids, p) for k, p in jobs.items()}
+    for _ in range(3):
+        eng.step()
+    eng.abort(handles["abort"].job_id)
+    eng.run_until_idle()
+    release(eng)
+    got = {k: drain(h) for k, h in handles.items()}
+    text = loaded.tokenizer.decode(got["grammar"][0]["tokens"], skip_special_tokens=True)
+    try:
+        parsed = json.loads(text)
+        grammar_ok = set(parsed) == {"city", "open"} and isinstance(parsed["open"], bool)
+    except ValueError:
+        grammar_ok = False
+    lps = got["logprobs"][0]["logprobs"]
+    plain = reference_generate(loaded.model, ids, 16)
+    checks = {
+        "seeded_equal": got["seeded_a"][0]["tokens"] == got["seeded_b"][0]["tokens"],
+        "unseeded_differ": got["unseeded_a"][0]["tokens"] != got["unseeded_b"][0]["tokens"],
+        "contrastive_full_length": len(got["contrastive"][0]["tokens"]) == 12,
+        "grammar_valid_json": grammar_ok,
+        "logprobs_sorted_finite": bool(lps) and all(
+            math.isfinite(lp.logprob) and len(lp.top) == 5
+            and [t[1] for t in lp.top] == sorted((t[1] for t in lp.top), reverse=True)
+            for lp in lps),
+        "penalties_change_output": got["penalties"][0]["tokens"] != plain,
+        "n3_sequences": sorted(got["n3"]) == [0, 1, 2],
+        "abort_finishes_abort": got["abort"][0]["finish"] == "abort",
+    }
+    return {**checks, "grammar_text": text, "ok": all(checks.values())}
+
+
+def section_syncs(c: Check) -> dict:
+    """Host-device synchronisations per decode step (torch's sync debug mode), with one
+    sub-batch, with three and a prompt chunk, and with sampling; where they come from."""
+    if not c.on_cuda:
+        return {"skipped": "synchronisations are counted on CUDA only"}
+    loaded = c.loaded("fp32")
+    prompts = c.prompts(12, loaded.tokenizer)
+    cases = {
+        "greedy_1_sub_batch": (dict(max_rolling_batch_size=16, max_sparsity=1.0),
+                               lambda i: greedy(64), None),
+        "greedy_3_sub_batches_chunk": (dict(max_rolling_batch_size=16, max_sparsity=0.0,
+                                            max_splits=3, max_num_batched_tokens=48),
+                                       lambda i: greedy(64), "late"),
+        "sample_1_sub_batch": (dict(max_rolling_batch_size=16, max_sparsity=1.0),
+                               lambda i: _sample(64, i), None),
+    }
+    out = {}
+    for name, (config, params, late) in cases.items():
+        eng = c.engine(**config)
+        for i, ids in enumerate(prompts[:8]):
+            eng.submit(ids, params(i))
+        for _ in range(12):  # every prompt prefilled; decoding
+            eng.step()
+        if late:  # a long prompt arriving now is prefilled in chunks beside the decoding rows
+            eng.submit(prompts[-1] * 3, greedy(8))
+        torch.cuda.synchronize()
+        counts, sources = [], Counter()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(5):
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    stats = eng.step()
+                syncs = [w for w in caught if "synchroniz" in str(w.message)]
+                counts.append(len(syncs))
+                sources.update(f"{_where(w.filename)}:{w.lineno}" for w in syncs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        release(eng)
+        out[name] = {"per_step": counts, "sub_batches_last": stats.sub_batches,
+                     "prefill_chunks_last": stats.prefill_chunks,
+                     "sources": dict(sources.most_common(12))}
+    return out
+
+
+def _where(filename: str) -> str:
+    path = Path(filename)
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
+
+
+def _sample(n: int, i: int):
+    from engine import SamplingParams
+
+    return SamplingParams(strategy="sample", temperature=0.8, top_p=0.9, seed=i,
+                          max_new_tokens=n, min_new_tokens=n)
+
+
+def section_profile(c: Check) -> dict:
+    """One decode step of 32 rows under torch's profiler: the device kernels that ran, by time;
+    which of them are attention."""
+    from torch.profiler import ProfilerActivity, profile
+
+    loaded = c.loaded("bf16" if c.on_cuda else "fp32")
+    rows = 4 if c.quick else 32
+    eng = c.engine("bf16" if c.on_cuda else "fp32", max_rolling_batch_size=rows)
+    for ids in (c.prompts(rows, loaded.tokenizer)):
+        eng.submit(ids, greedy(64))
+    for _ in range(8):
+        eng.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if c.on_cuda else [])
+    with profile(activities=activities) as prof:
+        stats = eng.step()
+        if c.on_cuda:
+            torch.cuda.synchronize()
+    release(eng)
+    events = prof.key_averages()
+    if c.on_cuda:
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        key = "self_device_time_total"
+    else:
+        kernels, key = list(events), "self_cpu_time_total"
+    kernels.sort(key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in kernels) or 1
+    top = [{"name": e.key[:120], "calls": e.count, "us": round(getattr(e, key), 1),
+            "share": round(getattr(e, key) / total, 3)} for e in kernels[:15]]
+    attention = sorted({e.key[:120] for e in kernels
+                        if any(s in e.key.lower() for s in ("attention", "fmha", "flash", "sdpa",
+                                                              "softmax", "efficient"))})
+    return {"rows": rows, "decode_rows": stats.decode_rows, "kernels_launched":
+            sum(e.count for e in kernels), "device_us": round(total, 1), "top": top,
+            "attention_kernels": attention}
+
+
+def section_throughput(c: Check) -> dict:
+    """128 prompts x 128 tokens at 1, 32 and 128 concurrent rows (8 prompts at 1 row: it is
+    sequential): step time p50, output tokens/s, peak device memory, peak KV bytes."""
+    dtype = "bf16" if c.on_cuda else "fp32"
+    loaded = c.loaded(dtype)
+    plans = ([(1, 2, 8), (4, 4, 8)] if c.quick
+             else [(1, 8, 128), (32, 128, 128), (128, 128, 128)])
+    prompts = c.prompts(128 if not c.quick else 4, loaded.tokenizer)
+    out = {"dtype": dtype}
+    for rows, count, n in plans:
+        if c.left() < 30:
+            out[f"rows_{rows}"] = {"skipped": "out of time"}
+            continue
+        eng = c.engine(dtype, max_rolling_batch_size=rows, prompt_cache_bytes=0)
+        warm = eng.submit(prompts[0], greedy(4))
+        eng.run_until_idle()
+        drain(warm)
+        if c.on_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        handles = [eng.submit(prompts[i % len(prompts)], greedy(n)) for i in range(count)]
+        stats = eng.run_until_idle()
+        wall = time.perf_counter() - t0
+        tokens = sum(len(drain(h)[0]["tokens"]) for h in handles)
+        steps = [s.seconds for s in stats
+                 if s.decode_rows == min(rows, count) and not s.prefill_tokens]
+        out[f"rows_{rows}"] = {
+            "requests": count, "tokens": tokens, "seconds": round(wall, 2),
+            "tokens_per_s": round(tokens / wall, 1),
+            "decode_step_ms_p50": round(statistics.median(steps) * 1e3, 2) if steps else None,
+            "steps": len(stats),
+            "peak_memory_mib": (round(torch.cuda.max_memory_allocated() / 2**20)
+                                if c.on_cuda else None),
+            "peak_kv_mib": round(eng.stats().peak_kv_bytes / 2**20, 1)}
+        release(eng)
+    return out
+
+
+def section_throughput_1b(c: Check) -> dict:
+    """A Llama-3.2-1B-shaped model (random bf16 weights made on the device, SmolLM2's vocabulary):
+    128 prompts x 128 tokens at 32 and 128 rows, where the GPU does more than launch kernels."""
+    if not c.on_cuda or c.quick:
+        return {"skipped": "on CUDA without --quick only"}
+    if c.left() < 90:
+        return {"skipped": "out of time"}
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine import Engine, EngineConfig, LoadedModel
+
+    small = c.loaded("bf16")
+    config = AutoConfig.from_pretrained(c.model_dir)
+    config.update(dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=64))
+    torch.manual_seed(SEED)
+    with torch.device(c.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    loaded = LoadedModel(model, small.tokenizer, "llama-1b-shaped", "random", c.device,
+                         torch.bfloat16, 0.0, False)
+    prompts = c.prompts(128, small.tokenizer)
+    out = {"parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6)}
+    for rows in (32, 128):
+        eng = Engine(EngineConfig(device=str(c.device), max_rolling_batch_size=rows,
+                                  prompt_cache_bytes=0), loaded=loaded)
+        eng.start(background=False)
+        warm = eng.submit(prompts[0], greedy(4))
+        eng.run_until_idle()
+        drain(warm)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        handles = [eng.submit(ids, greedy(128)) for ids in prompts]
+        stats = eng.run_until_idle()
+        wall = time.perf_counter() - t0
+        tokens = sum(len(drain(h)[0]["tokens"]) for h in handles)
+        steps = [s.seconds for s in stats if s.decode_rows == rows and not s.prefill_tokens]
+        out[f"rows_{rows}"] = {
+            "tokens": tokens, "seconds": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
+            "decode_step_ms_p50": round(statistics.median(steps) * 1e3, 2) if steps else None,
+            "peak_memory_mib": round(torch.cuda.max_memory_allocated() / 2**20)}
+        release(eng)
+    return out
+
+
+def section_http(c: Check) -> dict:
+    """The app on a loopback port, through the openai SDK: a chat, a streamed chat, a completion."""
+    import socket
+
+    import openai
+    import uvicorn
+
+    from app.factory import create_app
+    from app.settings import ServerSettings, Settings
+    from engine import Engine, EngineConfig
+
+    config = EngineConfig(device=str(c.device), max_rolling_batch_size=8)
+    loaded = c.loaded("bf16" if c.on_cuda else "fp32")
+    engine = Engine(config, loaded=loaded)
+    engine.start()
+    app = create_app(Settings(server=ServerSettings(), engine=config), engine=engine)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            if not thread.is_alive() or c.left() < 0:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1",
+                               api_key="unused", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        msgs = [{"role": "user", "content": "Say hello."}]
+        chat = client.chat.completions.create(model=model, messages=msgs, max_tokens=12)
+        pieces = [ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+            model=model, messages=msgs, max_tokens=12, stream=True) if ch.choices]
+        done = client.completions.create(model=model, prompt="Once upon a time", max_tokens=8)
+        return {"model": model, "chat_tokens": chat.usage.completion_tokens,
+                "stream_chunks": len(pieces), "completion_tokens": done.usage.completion_tokens,
+                "ok": chat.usage.completion_tokens > 0 and len(pieces) > 1
+                and done.usage.completion_tokens > 0}
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+        engine.stop(drain=False)
+
+
+def section_memory(c: Check) -> dict:
+    """The device memory budget and out-of-memory recovery (issue 33, points 2 and 4)."""
+    from engine import EngineConfig
+
+    if not hasattr(EngineConfig, "kv_cache_bytes"):
+        return {"built": False, "note": "the KV budget and out-of-memory preemption are not built"}
+    return {"built": True}
+
+
+def section_tests(c: Check) -> dict:
+    """The suite's `gpu` tests (tests/engine/test_cuda.py), in this process."""
+    import pytest
+
+    class Tally:
+        def __init__(self):
+            self.counts: Counter = Counter()
+            self.failed: list[str] = []
+
+        def pytest_runtest_logreport(self, report):
+            if report.when == "call" or report.outcome != "passed":
+                self.counts[report.outcome] += 1
+                if report.failed:
+                    self.failed.append(f"{report.nodeid}: {str(report.longrepr)[-600:]}")
+
+    tally = Tally()
+    code = pytest.main(["-q", "-m", "gpu", "-p", "no:cacheprovider", "-x",
+                        str(ROOT / "tests/engine/test_cuda.py")], plugins=[tally])
+    return {"exit": int(code), **tally.counts, "failed": tally.failed,
+            "ok": int(code) in (0, 5) and not tally.failed}
+
+
+SECTIONS: list[tuple[str, Callable[[Check], dict]]] = [
+    ("env", section_env), ("model", section_model), ("parity", section_parity),
+    ("half_precision", section_half), ("features", section_features), ("syncs", section_syncs),
+    ("profile", section_profile), ("throughput", section_throughput), ("http", section_http),
+    ("memory", section_memory), ("tests", section_tests), ("throughput_1b", section_throughput_1b),
+]
+
+
+def run(c: Check) -> int:
+    failed = 0
+    for name, fn in SECTIONS:
+        if c.left() <= 0:
+            c.results["sections"][name] = {"skipped": "out of time"}
+            continue
+        t0 = time.perf_counter()
+        try:
+            result = fn(c)
+        except Exception as exc:  # one section's failure must not hide the others' results
+            result = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                      "traceback": traceback.format_exc()[-3000:]}
+            if name in ("env", "model"):
+                c.results["sections"][name] = result
+                c.save()
+                print(f"[{name}] FAILED: {result['error']}\n{result['traceback']}", flush=True)
+                return 1
+        result["seconds"] = round(time.perf_counter() - t0, 1)
+        c.results["sections"][name] = result
+        c.save()
+        failed += result.get("ok") is False
+        print(f"[{name}] {json.dumps(result, default=str)[:1500]}", flush=True)
+    print(summary(c.results["sections"]), flush=True)
+    return 1 if failed else 0
+
+
+def summary(sections: dict) -> str:
+    lines = ["", "section          ok     seconds"]
+    for name, r in sections.items():
+        ok = "skip" if "skipped" in r else {True: "yes", False: "NO", None: "-"}[r.get("ok")]
+        lines.append(f"{name:<16} {ok:<6} {r.get('seconds', '')}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prepare", action="store_true", help="fill .gpu/ (needs a package index)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="2 layers, a few short requests")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/gpu"))
+    ap.add_argument("--model-files", default=str(GPU_DIR / "model"),
+                    help="config and tokenizer (made from the embedded model where absent)")
+    ap.add_argument("--budget-s", type=float, default=420, help="stop starting sections after")
+    args = ap.parse_args(argv)
+    if args.prepare:
+        prepare()
+        return 0
+    if args.device.startswith("cuda"):
+        from engine.model.loader import prefer_expandable_segments
+
+        prefer_expandable_segments()  # as the server would, before the first CUDA call
+        if not torch.cuda.is_available():
+            print("no CUDA device visible to torch", file=sys.stderr)
+            return 2
+    return run(Check(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
