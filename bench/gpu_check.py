@@ -546,9 +546,69 @@ def section_profile(c: Check) -> dict:
     attention = sorted({e.key[:120] for e in kernels
                         if any(s in e.key.lower() for s in ("attention", "fmha", "flash", "sdpa",
                                                               "softmax", "efficient"))})
+    # cuDNN's attention costs ~1.4 ms of host time per call at a new KV length (docs/gpu.md).
+    cudnn = [k for k in attention if "cudnn" in k]
     return {"rows": rows, "decode_rows": stats.decode_rows, "kernels_launched":
             sum(e.count for e in kernels), "device_us": round(total, 1), "top": top,
-            "attention_kernels": attention}
+            "attention_kernels": attention, "ok": not cudnn}
+
+
+def section_overhead(c: Check) -> dict:
+    """Where a decode step's time goes when the device is not the limit: the cost of one kernel
+    launch, transformers' own decoding of one row, the engine's step at 1 and 32 rows (with its
+    torch threads and with one), and a Python profile of the 32-row steps."""
+    import cProfile
+    import pstats
+
+    dtype = "bf16" if c.on_cuda else "fp32"
+    loaded = c.loaded(dtype)
+    steps = 8 if c.quick else 48
+    x = torch.zeros(1, device=c.device)
+    for _ in range(100):
+        x.add_(1)
+    _sync(c)
+    t0 = time.perf_counter()
+    for _ in range(2000):
+        x.add_(1)
+    _sync(c)
+    out = {"launch_us": round((time.perf_counter() - t0) / 2000 * 1e6, 2),
+           "torch_threads": torch.get_num_threads()}
+    ids = c.prompts(1, loaded.tokenizer)[0]
+    reference_generate(loaded.model, ids, 4)
+    t0 = time.perf_counter()
+    reference_generate(loaded.model, ids, steps)
+    out["transformers_ms_per_token_1_row"] = round((time.perf_counter() - t0) / steps * 1e3, 2)
+    for rows in (1, 4 if c.quick else 32):
+        eng = c.engine(dtype, max_rolling_batch_size=rows, prompt_cache_bytes=0)
+        for p in c.prompts(rows, loaded.tokenizer):
+            eng.submit(p, greedy(steps * 3 + 16))
+        for _ in range(rows + 2):  # every prompt prefilled
+            eng.step()
+        for threads in (out["torch_threads"], 1):
+            torch.set_num_threads(threads)
+            times = [eng.step().seconds for _ in range(steps)]
+            out[f"engine_ms_per_step_{rows}_rows_{threads}_threads"] = round(
+                statistics.median(times) * 1e3, 2)
+        torch.set_num_threads(out["torch_threads"])
+        if rows > 1:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(10):
+                eng.step()
+            _sync(c)
+            prof.disable()
+            st = pstats.Stats(prof)
+            rows_ = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:25]
+            out["profile_10_steps_by_own_time"] = [
+                {"fn": f"{_where(f)}:{line}:{name}", "calls": cc, "own_ms": round(tt * 1e3, 1),
+                 "cum_ms": round(ct * 1e3, 1)} for (f, line, name), (cc, _n, tt, ct, _) in rows_]
+        release(eng)
+    return out
+
+
+def _sync(c: Check) -> None:
+    if c.on_cuda:
+        torch.cuda.synchronize()
 
 
 def section_throughput(c: Check) -> dict:
@@ -713,14 +773,18 @@ def section_tests(c: Check) -> dict:
 SECTIONS: list[tuple[str, Callable[[Check], dict]]] = [
     ("env", section_env), ("model", section_model), ("parity", section_parity),
     ("half_precision", section_half), ("features", section_features), ("syncs", section_syncs),
-    ("profile", section_profile), ("throughput", section_throughput), ("http", section_http),
+    ("profile", section_profile), ("overhead", section_overhead),
+    ("throughput", section_throughput), ("http", section_http),
     ("memory", section_memory), ("tests", section_tests), ("throughput_1b", section_throughput_1b),
 ]
 
 
 def run(c: Check) -> int:
     failed = 0
+    only = set(filter(None, c.args.sections.split(","))) | {"env", "model"}
     for name, fn in SECTIONS:
+        if len(only) > 2 and name not in only:
+            continue
         if c.left() <= 0:
             c.results["sections"][name] = {"skipped": "out of time"}
             continue
@@ -761,6 +825,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-files", default=str(GPU_DIR / "model"),
                     help="config and tokenizer (made from the embedded model where absent)")
     ap.add_argument("--budget-s", type=float, default=420, help="stop starting sections after")
+    ap.add_argument("--sections", default="", help="comma-separated: run only these (and env, "
+                    "model)")
     args = ap.parse_args(argv)
     if args.prepare:
         prepare()

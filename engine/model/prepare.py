@@ -34,6 +34,10 @@ class Prepared:
 def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
     """Install the fast paths the configuration allows into `loaded.model` (in place)."""
     model = loaded.model
+    if loaded.device.type == "cuda":
+        # cuDNN's attention builds a graph per shape, and the KV length changes every decode step:
+        # ~1.4 ms of host time per call on an H200 (docs/gpu.md). PyTorch's own kernels take masks.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     packed = config.fuse_sub_batches and packed_forward.install(model)
     # Tensor parallelism's layers go through hooks, which these would bypass.
     single = config.tensor_parallel_degree == 1
