@@ -1,9 +1,9 @@
 """seq-scheduler: rolling batching with max-sparsity splitting and a radix prefix KV cache.
 
-One room per concern, importing only downwards: `config`, `errors`, `outputs` (the shared
-vocabulary) → `kv` (KV storage) → `request` (jobs, parameters, stops) → `sample` (token choice)
-→ `sched` (who runs) → `kernels`, `model` (forwards, model surgery) → `distributed` (ranks in
-lock step) → `core` (the step and the service around it). A feature goes where its data lives:
+One room per concern, importing only downwards: `config`, `errors`, `outputs`, `staging` (the
+shared vocabulary) → `kv` (KV storage) → `request` (jobs, parameters, stops) → `sample` (token
+choice) → `sched` (who runs) → `kernels`, `model` (forwards, model surgery) → `distributed` (ranks
+in lock step) → `core` (the step and the service around it). A feature goes where its data lives:
 a new decoding rule in `sample`, a new cache tier in `kv`, a new protocol outside the engine, in
 `adapters/`. docs/architecture.md follows a request through them.
 

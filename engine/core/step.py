@@ -153,7 +153,8 @@ class EngineCore:
                 for s in sb.seqs:
                     fail(s, f"forward failed: {result}")
                 continue
-            self.decoder.advance(sb, result.logits, result.hidden, result.first)
+            self.decoder.advance(sb, result.logits, result.hidden, result.first,
+                                 result.first_host)
         for chunk, result in zip(plan.chunks, results[len(sbs):]):
             job = chunk.job
             changed[job.job_id] = job

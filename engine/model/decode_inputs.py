@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv.batch import SubBatch
+from engine.staging import split_to_device
 
 
 @dataclass
@@ -23,6 +24,7 @@ class DecodeFeed:
     ids: torch.Tensor  # [tokens]
     positions: torch.Tensor  # [tokens]: each row's next position, for each token it feeds
     first: torch.Tensor  # [rows]: the index in `ids` of each row's first token
+    first_host: list[int]  # the same, on the host (the engine reads it without a device sync)
     slots: int  # queries per row in attention: the most tokens any row feeds
     # Each token's place in the [rows * slots] attention layout, when some row feeds fewer than
     # `slots` (None: the tokens fill it exactly).
@@ -34,17 +36,22 @@ class DecodeFeed:
         device = sb.cache.layers[0].device
         fed = [s.candidates.ids if s.candidates is not None else [s.pending_token]
                for s in sb.seqs]
-        counts = torch.tensor([len(f) for f in fed], device=device)
-        lengths = torch.tensor(sb.lengths(), device=device)
-        ids = torch.tensor([t for f in fed for t in f], device=device)
-        first = counts.cumsum(0) - counts
-        slots = max(len(f) for f in fed)
+        sizes = [len(f) for f in fed]
+        starts = [0]
+        for n in sizes[:-1]:
+            starts.append(starts[-1] + n)
+        tokens = starts[-1] + sizes[-1]
+        counts, lengths, ids, first = split_to_device(
+            [sizes, sb.lengths(), [t for f in fed for t in f], starts], device)
+        slots = max(sizes)
         index = None
-        if len(ids) != slots * sb.size:
-            row = torch.arange(sb.size, device=device).repeat_interleave(counts)
-            index = row * slots + torch.arange(len(ids), device=device) - first[row]
+        if tokens != slots * sb.size:
+            row = torch.arange(sb.size, device=device).repeat_interleave(counts,
+                                                                        output_size=tokens)
+            index = row * slots + torch.arange(tokens, device=device) - first[row]
         context = sb.decode_mask(lengths)[:, :-1]
-        return cls(ids, lengths.repeat_interleave(counts), first, slots, index, context)
+        positions = lengths.repeat_interleave(counts, output_size=tokens)
+        return cls(ids, positions, first, starts, slots, index, context)
 
     @property
     def tokens(self) -> int:

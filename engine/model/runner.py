@@ -17,6 +17,7 @@ from engine.kv.slabs import SlabCache, SlabLayer, new_slabs, row_from_cache
 from engine.model import packed_forward
 from engine.model.decode_inputs import DecodeFeed
 from engine.sched.scheduler import PrefillChunk, StepPlan
+from engine.staging import to_device
 
 
 @dataclass
@@ -41,6 +42,7 @@ class GroupResult:
     # it does not end its prompt
     hidden: torch.Tensor | None  # last-layer hidden states of the fed tokens, when asked
     first: torch.Tensor | None = None  # decode: each row's first token in `logits`, `hidden`
+    first_host: list[int] | None = None  # the same, on the host
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
@@ -148,7 +150,7 @@ class ModelRunner:
         else to run)."""
         start, stop = chunk.start, chunk.start + len(chunk.ids)
         out = self._forward(
-            input_ids=torch.tensor([chunk.ids], device=self.device),
+            input_ids=to_device(chunk.ids, self.device)[None],
             attention_mask=torch.ones((1, stop), dtype=torch.long, device=self.device),
             position_ids=torch.arange(start, stop, device=self.device)[None],
             cache=chunk.cache,
@@ -173,7 +175,7 @@ class ModelRunner:
         )
         sb.advance(feed.slots)
         hidden = feed.packed(out.hidden_states[-1]) if want_hidden else None
-        return GroupResult(feed.packed(out.logits).float(), hidden, feed.first)
+        return GroupResult(feed.packed(out.logits).float(), hidden, feed.first, feed.first_host)
 
     def packed(
         self, sub_batches: list[SubBatch], chunks: list[Chunk], want_hidden: list[bool]
@@ -203,7 +205,7 @@ class ModelRunner:
             mask = torch.zeros(hidden_future.shape, dtype=self.dtype, device=self.device)
             mask.masked_fill_(hidden_future, torch.finfo(self.dtype).min)
             groups.append(packed_forward.Group(ch.cache, offset, n, 1, mask[None, None]))
-            ids.append(torch.tensor(ch.ids, device=self.device))
+            ids.append(to_device(ch.ids, self.device))
             positions.append(pos)
             if ch.logits:
                 keep.append(offset + n - 1)
@@ -215,7 +217,7 @@ class ModelRunner:
             attention_mask=self._no_mask,
             cache=packed_forward.PackedCache(groups, self.n_layers),
             output_hidden_states=hidden_wanted,
-            logits_to_keep=torch.tensor(keep, device=self.device),
+            logits_to_keep=to_device(keep, self.device),
         )
         logits = out.logits[0].float()  # [kept positions, vocab]
         hidden = out.hidden_states[-1][0] if hidden_wanted else None  # [tokens, hidden]
@@ -224,7 +226,8 @@ class ModelRunner:
         for sb, feed, g, want in zip(sub_batches, feeds, groups, want_hidden):
             sb.advance(feed.slots)
             h = hidden[g.start : g.start + g.tokens] if want else None
-            results.append(GroupResult(logits[row : row + g.tokens], h, feed.first))
+            results.append(GroupResult(logits[row : row + g.tokens], h, feed.first,
+                                       feed.first_host))
             row += g.tokens
         for ch, g in zip(chunks, groups[len(sub_batches):]):
             lg = None

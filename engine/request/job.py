@@ -75,8 +75,10 @@ class Sequence:
     detok: IncrementalDetokenizer | None = None
     stops: StopMatcher | None = None
     matcher: LLMatcher | None = None  # the grammar's state, when the job has one
-    # Counts of generated tokens, for presence/frequency penalties (built on first use).
+    # Counts of generated tokens, for presence/frequency penalties, and the prompt's tokens as a
+    # [vocab] mask, for the repetition penalty (both built on first use).
     counts: torch.Tensor | None = None
+    prompt_seen: torch.Tensor | None = None
     # Last-layer hidden states of the context, for contrastive search: [tokens, hidden].
     hidden: torch.Tensor | None = None
     # Output not yet handed to the client.

@@ -25,6 +25,7 @@ from engine.sample.sampling import (
     sample_rows,
 )
 from engine.sched.stops import at_length, token_stop
+from engine.staging import to_device
 
 log = logging.getLogger("seqgate.engine")
 
@@ -74,14 +75,14 @@ class TokenDecoder:
                 self.accept(s, tok, lp)
 
     def advance(self, sb: SubBatch, logits: torch.Tensor, hidden: torch.Tensor | None,
-                first: torch.Tensor) -> None:
+                first: torch.Tensor, first_host: list[int]) -> None:
         """After a sub-batch's forward (`logits` and `hidden` of its fed tokens, each row's first
-        at `first`): contrastive rows choose among the candidates they fed and keep that one's
-        K/V, hidden state and logits; then every row still running chooses (or proposes) its
-        next token from its kept logits."""
+        at `first`, also given on the host): contrastive rows choose among the candidates they
+        fed and keep that one's K/V, hidden state and logits; then every row still running
+        chooses (or proposes) its next token from its kept logits."""
         slots = self.pick(sb.seqs, hidden, first)
         sb.commit(slots)
-        kept = (first + torch.tensor(slots, device=first.device)).tolist()
+        kept = [f + s for f, s in zip(first_host, slots)]
         if hidden is not None:
             for s, at in zip(sb.seqs, kept):
                 if s.hidden is not None:
@@ -141,7 +142,7 @@ class TokenDecoder:
     def _propose(self, seqs: list[Sequence], logits: torch.Tensor, scored: torch.Tensor) -> None:
         """Each contrastive row's candidates: its top-k tokens among the allowed ones (a grammar
         or a bias may forbid most of them)."""
-        top_k = torch.tensor([s.params.top_k or 4 for s in seqs], device=logits.device)
+        top_k = to_device([s.params.top_k or 4 for s in seqs], logits.device)
         ks = torch.minimum(top_k, torch.isfinite(logits).sum(dim=-1)).tolist()
         if 0 in ks:
             raise ValueError("contrastive search found no allowed token")
@@ -184,11 +185,11 @@ class TokenDecoder:
                    ) -> list[tuple[int, TokenLogprob | None]]:
         cands = [s.candidates for s in seqs]
         device = hidden.device
-        counts = torch.tensor([len(c.ids) for c in cands], device=device)
+        counts = to_device([len(c.ids) for c in cands], device)
         slot = torch.arange(int(counts.max()), device=device)[None, :]
         at = first.to(device)[:, None] + torch.minimum(slot, counts[:, None] - 1)
         probs = torch.nn.utils.rnn.pad_sequence([c.probs for c in cands], batch_first=True)
-        alpha = torch.tensor([s.params.penalty_alpha for s in seqs], device=device)
+        alpha = to_device([s.params.penalty_alpha for s in seqs], device, torch.float32)
         scores = contrastive_scores(probs, hidden[at], [s.hidden for s in seqs], alpha)
         slots = scores.masked_fill_(slot >= counts[:, None], float("-inf")).argmax(dim=-1).tolist()
         lps: list[TokenLogprob | None] = [None] * len(seqs)

@@ -9,62 +9,64 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.outputs import TokenLogprob
+from engine.staging import to_device
 
 if TYPE_CHECKING:
     from engine.request.job import Sequence
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], vocab: int) -> torch.Tensor:
-    """Repetition (HF: prompt and output), presence and frequency (OpenAI: output only) penalties.
+    """Repetition (HF: prompt and output), presence and frequency (OpenAI: output only) penalties,
+    for all penalised rows at once.
 
     Returns `logits` unchanged when no row asks for a penalty, so the common case costs nothing.
     """
-    rows = [
-        i
-        for i, s in enumerate(seqs)
-        if s.params.presence_penalty
-        or s.params.frequency_penalty
-        or s.params.repetition_penalty != 1.0
-    ]
+    rows = [i for i, s in enumerate(seqs) if s.params.presence_penalty
+            or s.params.frequency_penalty or s.params.repetition_penalty != 1.0]
     if not rows:
         return logits
-    logits = logits.clone()
+    dev = logits.device
     for i in rows:
-        s, p = seqs[i], seqs[i].params
-        if s.counts is None:
-            s.counts = torch.zeros(vocab, dtype=torch.float32, device=logits.device)
-            if s.generated:
-                s.counts.index_add_(
-                    0,
-                    torch.tensor(s.generated, device=logits.device),
-                    torch.ones(len(s.generated), device=logits.device),
-                )
-        row = logits[i]
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(s.job.prompt_ids)), device=logits.device)
-            seen = torch.unique(torch.cat([seen, s.counts.nonzero().flatten()]))
-            vals = row[seen]
-            row[seen] = torch.where(
-                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
-            )
-        if p.frequency_penalty:
-            row -= p.frequency_penalty * s.counts
-        if p.presence_penalty:
-            row -= p.presence_penalty * (s.counts > 0).float()
+        _track(seqs[i], vocab, dev)
+    counts = torch.stack([seqs[i].counts for i in rows])
+    prompt = torch.stack([seqs[i].prompt_seen for i in rows])
+    rep, freq, pres = to_device([[seqs[i].params.repetition_penalty for i in rows],
+                                 [seqs[i].params.frequency_penalty for i in rows],
+                                 [seqs[i].params.presence_penalty for i in rows]],
+                                dev, torch.float32)[:, :, None]
+    at = to_device(rows, dev)
+    vals = logits.index_select(0, at)
+    penalised = torch.where(vals > 0, vals / rep, vals * rep)
+    vals = torch.where(prompt | (counts > 0), penalised, vals)
+    vals = vals - freq * counts - pres * (counts > 0).float()
+    logits = logits.clone()
+    logits.index_copy_(0, at, vals.to(logits.dtype))
     return logits
 
 
+def _track(s: Sequence, vocab: int, device: torch.device) -> None:
+    """A penalised row's token counts over its output and the prompt's tokens as a mask, made
+    the first time it is penalised (the decoder counts each token it accepts from then on)."""
+    if s.counts is not None:
+        return
+    s.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+    if s.generated:
+        s.counts.index_add_(0, to_device(s.generated, device),
+                            torch.ones(len(s.generated), device=device))
+    s.prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+    if s.params.repetition_penalty != 1.0:
+        s.prompt_seen[to_device(sorted(set(s.job.prompt_ids)), device)] = True
+
+
 def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    rows = [i for i, s in enumerate(seqs) if s.params.logit_bias]
-    if not rows:
+    pairs = [(i, tok, b) for i, s in enumerate(seqs) for tok, b in s.params.logit_bias.items()]
+    if not pairs:
         return logits
+    rows, ids, bias = zip(*pairs)
+    at = to_device([rows, ids], logits.device)
     logits = logits.clone()
-    for i in rows:
-        bias = seqs[i].params.logit_bias
-        ids = torch.tensor(list(bias.keys()), device=logits.device)
-        logits[i, ids] += torch.tensor(
-            list(bias.values()), dtype=logits.dtype, device=logits.device
-        )
+    logits.index_put_((at[0], at[1]), to_device(bias, logits.device, logits.dtype),
+                      accumulate=True)
     return logits
 
 
@@ -72,13 +74,13 @@ def block_stop_tokens(
     logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]
 ) -> torch.Tensor:
     """Before `min_new_tokens` are out, EOS and stop tokens cannot be chosen."""
-    rows = [i for i, s in enumerate(seqs) if len(s.generated) < s.params.min_new_tokens]
-    if not rows:
+    pairs = [(i, t) for i, s in enumerate(seqs) if len(s.generated) < s.params.min_new_tokens
+             for t in set(eos_ids) | set(s.params.stop_token_ids)]
+    if not pairs:
         return logits
+    at = to_device(list(zip(*pairs)), logits.device)
     logits = logits.clone()
-    for i in rows:
-        blocked = set(eos_ids) | set(seqs[i].params.stop_token_ids)
-        logits[i, list(blocked)] = float("-inf")
+    logits[at[0], at[1]] = float("-inf")
     return logits
 
 
@@ -94,6 +96,8 @@ def filter_logits(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     min_p: torch.Tensor,
+    any_min_p: bool | None = None,
+    ranked: list[int] | None = None,
 ) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p, each per row (0 / 1.0 / 0 switch a filter off).
 
@@ -105,13 +109,15 @@ def filter_logits(
     """
     scaled = logits / temperature[:, None]
     out = scaled
-    if bool((min_p > 0).any()):
+    # Which filters are on is known on the host where the caller passes it (no device sync).
+    if any_min_p if any_min_p is not None else bool((min_p > 0).any()):
         probs = scaled.softmax(dim=-1)
         low = probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
         out = scaled.masked_fill(low, float("-inf"))  # never the most likely token
-    ranked = (top_k > 0) | (top_p < 1.0)
-    if bool(ranked.any()):
-        rows = ranked.nonzero().squeeze(1)
+    if ranked is None:
+        ranked = ((top_k > 0) | (top_p < 1.0)).nonzero().squeeze(1).tolist()
+    if ranked:
+        rows = to_device(ranked, logits.device)
         cut = _cut_ranked(scaled[rows], top_k[rows], top_p[rows])
         out = out.clone() if out is scaled else out
         out[rows] = out[rows].masked_fill(cut, float("-inf"))
@@ -155,13 +161,12 @@ def sample_rows(
     """
     dev = logits.device
     p = [s.params for s in seqs]
-    filtered = filter_logits(
-        logits,
-        torch.tensor([max(x.temperature, 1e-5) for x in p], device=dev),
-        torch.tensor([x.top_k for x in p], device=dev),
-        torch.tensor([x.top_p for x in p], device=dev),
-        torch.tensor([x.min_p for x in p], device=dev),
-    )
+    temperature, top_k, top_p, min_p = to_device(
+        [[max(x.temperature, 1e-5) for x in p], [x.top_k for x in p], [x.top_p for x in p],
+         [x.min_p for x in p]], dev, torch.float32)
+    filtered = filter_logits(logits, temperature, top_k.long(), top_p, min_p,
+                             any_min_p=any(x.min_p > 0 for x in p),
+                             ranked=[i for i, x in enumerate(p) if x.top_k > 0 or x.top_p < 1.0])
     probs = filtered.softmax(dim=-1)
     u = torch.empty(len(seqs), device=dev)
     unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
@@ -175,23 +180,19 @@ def sample_rows(
     picks = picks.clamp_(max=probs.shape[-1] - 1)
     # Rounding at the very top of a cdf can land past the last token with any mass.
     empty = probs.gather(1, picks[:, None]).squeeze(1) == 0
-    if bool(empty.any()):
-        picks = torch.where(empty, probs.argmax(dim=-1), picks)
-    return picks.tolist()
+    return torch.where(empty, probs.argmax(dim=-1), picks).tolist()
 
 
 def logprobs_for(logits: torch.Tensor, tokens: list[int], top_n: list[int]) -> list[TokenLogprob]:
     """The chosen tokens' log-probabilities (and top alternatives) under `logits`."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None]).squeeze(1).tolist()
+    chosen = lp.gather(1, to_device(tokens, lp.device)[:, None]).squeeze(1)
     k = max(top_n) if top_n else 0
-    tops = lp.topk(k, dim=-1) if k else None
-    out = []
-    for i, tok in enumerate(tokens):
-        top = []
-        if tops is not None and top_n[i]:
-            top = list(
-                zip(tops.indices[i, : top_n[i]].tolist(), tops.values[i, : top_n[i]].tolist())
-            )
-        out.append(TokenLogprob(tok, chosen[i], top))
-    return out
+    if not k:
+        return [TokenLogprob(tok, c, []) for tok, c in zip(tokens, chosen.tolist())]
+    tops = lp.topk(k, dim=-1)
+    # One copy to the host of everything the rows report.
+    host = torch.cat([chosen[:, None], tops.values, tops.indices.to(lp.dtype)], dim=1).tolist()
+    return [TokenLogprob(tok, row[0], [(int(t), v) for t, v in zip(row[1 + k:1 + k + n],
+                                                                    row[1:1 + n])])
+            for tok, row, n in zip(tokens, host, top_n)]
