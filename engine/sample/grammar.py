@@ -16,6 +16,7 @@ triton; and its Lark front end embeds JSON schemas, which the tool-call grammars
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -208,20 +209,28 @@ class GrammarMasks:
             self._executor = llguidance.LLExecutor()
         # Rows without a grammar keep every bit set; the others are filled by llguidance.
         words = (self.vocab_size + 31) // 32
-        bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)
+        # llguidance fills host memory; pinned, it reaches a GPU without a synchronisation.
+        bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32,
+                             pin_memory=logits.device.type == "cuda")
         fill_next_token_bitmask_par(self._executor, [(matchers[i], i) for i in rows], bitmask)
-        allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[-1])
+        allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[-1])
         logits = logits.masked_fill(~allowed, float("-inf"))
         self.masked_tokens += len(rows)
         self.mask_seconds += time.perf_counter() - t0
         return logits
 
 
+@functools.cache
+def _bit_table(device: torch.device) -> torch.Tensor:
+    """The shifts that unpack a word, kept on each device that asked for them."""
+    return _BITS.to(device)
+
+
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[rows, words] int32 bitmask (bit j of word w allows token 32w+j) → [rows, vocab_size]
     bool; tokens past the bitmask's end (a model vocabulary larger than the tokenizer's) are
     forbidden."""
-    bits = ((bitmask[:, :, None] >> _BITS.to(bitmask.device)) & 1).bool()
+    bits = ((bitmask[:, :, None] >> _bit_table(bitmask.device)) & 1).bool()
     bits = bits.reshape(bitmask.shape[0], -1)[:, :vocab_size]
     if bits.shape[1] < vocab_size:
         bits = torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
