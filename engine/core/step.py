@@ -7,15 +7,26 @@ parallel follower, or a test that calls `step()` itself.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.config import EngineConfig
 from engine.core.handle import END
+from engine.errors import ConfigError
 from engine.kv.batch import SubBatch
+from engine.kv.budget import (
+    AUTO_MAX_ROWS,
+    KvBudget,
+    cpu_budget,
+    cuda_budget,
+    kv_bytes_per_token,
+    mem_available,
+)
 from engine.kv.radix_cache import RadixPrefixCache
 from engine.kv.rolling_batch import RollingBatch
 from engine.model.loader import LoadedModel
@@ -26,8 +37,11 @@ from engine.request.job import Job
 from engine.sample.decoder import TokenDecoder, fail
 from engine.sample.grammar import GrammarCompiler
 from engine.sched.caching import CachePolicy
-from engine.sched.scheduler import Scheduler, StepPlan
+from engine.sched.scheduler import ALONE_TOKENS, Scheduler, StepPlan
 from engine.sched.step_cost import StepCost
+
+if TYPE_CHECKING:
+    from engine.distributed.tensor_parallel import RankGroup
 
 log = logging.getLogger("seqgate.engine")
 
@@ -35,7 +49,8 @@ log = logging.getLogger("seqgate.engine")
 class EngineCore:
     """The seq-scheduler's step over a loaded model (see the module docstring)."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, learn_costs: bool = True):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel,
+                 ranks: RankGroup | None = None):
         self.config = config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -49,20 +64,87 @@ class EngineCore:
         self.prepacked_layers = prepared.prepacked_layers
         self.lean_layers = prepared.lean_layers
         self.decode_kernel_layers = prepared.decode_kernel_layers
-        self.prefix_cache = RadixPrefixCache(config.prompt_cache_bytes)
+        self.kv_budget = self._kv_budget(ranks)
+        self.config = config = self._resolved(config)
+        self.prefix_cache = RadixPrefixCache(
+            config.prompt_cache_bytes if self.kv_budget is None else self.kv_budget.prefix_cache)
         self.caching = CachePolicy(self.prefix_cache)
         # Ranks in lock step must plan alike: no costs read from each one's clock.
         self.scheduler = Scheduler(
             config, self.prefix_cache,
             config.chunk_attention_tokens or self.runner.attention_tokens(),
-            StepCost() if learn_costs else None)
+            StepCost() if ranks is None else None, self.kv_budget)
         self.batch = RollingBatch()
         self.decoder = TokenDecoder(self.runner.vocab_size, loaded.device, self.eos_ids,
                                     self.max_model_len)
         # Request threads compile grammars here (GrammarCompiler.compile), never the engine.
-        self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_ids)
+        # What a decode step costs lately (a moving average over decode-only steps), published
+        # for the request threads that compile grammars: a mask is judged against it.
+        self.decode_step_seconds = 0.0
+        self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_ids,
+                                        step_seconds=lambda: self.decode_step_seconds)
         self._stats = EngineStats()
         self._listeners: list[Callable[[StepStats], None]] = []
+
+    def _kv_budget(self, ranks: RankGroup | None) -> KvBudget | None:
+        """The KV budget (engine.kv.budget): `kv_cache_bytes`, or what this device leaves;
+        the least of the ranks' under tensor parallelism, so that they admit alike. None where
+        the model's config does not give its KV shape (rows are then admitted by count)."""
+        config = self.config
+        per_token = kv_bytes_per_token(self.loaded.model.config, self.runner.dtype,
+                                       config.tensor_parallel_degree)
+        total = config.kv_cache_bytes or self._free_memory()
+        if ranks is not None:
+            total = ranks.least(total if total is not None else -1)
+            total = None if total < 0 else total
+        if per_token is None or total is None:
+            log.warning("no KV budget (the model's KV shape or the memory available is "
+                        "unknown): jobs are admitted by max_rolling_batch_size alone")
+            return None
+        if total < per_token:
+            auto_cuda = not config.kv_cache_bytes and self.loaded.device.type == "cuda"
+            name = "gpu_memory_utilization" if auto_cuda else "kv_cache_bytes"
+            raise ConfigError(name, getattr(config, name),
+                              f"a KV budget of at least one token ({per_token} bytes); "
+                              f"{total} bytes are left after loading the model")
+        budget = KvBudget.split(total, per_token, config.prompt_cache_bytes)
+        log.info("KV budget: %.2f GiB, %d tokens for the rolling batch, %.2f GiB for the "
+                 "prefix cache", total / 2**30, budget.batch_tokens, budget.prefix_cache / 2**30)
+        return budget
+
+    def _free_memory(self) -> int | None:
+        """Bytes this device leaves for KV: on CUDA after a warm-up step, under
+        gpu_memory_utilization; on the CPU, a share of the memory available."""
+        device = self.loaded.device
+        if device.type != "cuda":
+            available = mem_available()
+            return None if available is None else \
+                cpu_budget(available, self.config.tensor_parallel_degree)
+        self._warm_up()
+        free, total = torch.cuda.mem_get_info(device)
+        # mem_get_info: it also sees the CUDA context, other processes and the cached warm-up peak.
+        return cuda_budget(total, total - free, self.config.gpu_memory_utilization)
+
+    def _warm_up(self) -> None:
+        """One prompt forward as long as a step's longest, so that its activations' peak is in
+        use (kept by CUDA's caching allocator) when the budget is measured."""
+        tokens = min(max(self.config.token_budget, ALONE_TOKENS), self.max_model_len)
+        ids = [self.eos_ids[0] if self.eos_ids else 0] * tokens
+        with torch.inference_mode():
+            self.runner.prefill_chunk(Chunk(self.runner.prompt_kv(None, tokens), ids, 0,
+                                            logits=True, hidden=False))
+        torch.cuda.synchronize(self.loaded.device)
+
+    def _resolved(self, config: EngineConfig) -> EngineConfig:
+        """The configuration the engine runs with: on CUDA an automatic max_rolling_batch_size
+        is derived from the KV budget (`KvBudget.auto_rows`), below max_num_batched_tokens."""
+        if config.max_rolling_batch_size or self.kv_budget is None or \
+                self.loaded.device.type != "cuda":
+            return config
+        cap = AUTO_MAX_ROWS
+        if config.max_num_batched_tokens:
+            cap = min(cap, config.max_num_batched_tokens - 1)
+        return dataclasses.replace(config, max_rolling_batch_size=self.kv_budget.auto_rows(cap))
 
     def add_step_listener(self, fn: Callable[[StepStats], None]) -> None:
         self._listeners.append(fn)
@@ -77,6 +159,8 @@ class EngineCore:
         s.prefix_cache_bytes = cache.nbytes
         s.prefix_cache_entries = len(cache)
         s.prefix_cache_evictions = cache.evictions
+        s.prefix_cache_capacity_bytes = cache.capacity_bytes
+        s.kv_budget_bytes = self.kv_budget.batch if self.kv_budget is not None else 0
         s.generated_tokens = self.decoder.generated_tokens
         s.grammars_compiled = self.grammars.compiled
         s.grammar_masked_tokens = self.decoder.grammar.masked_tokens
@@ -117,6 +201,9 @@ class EngineCore:
         self._publish(changed)
         seconds = time.perf_counter() - t0
         self.scheduler.update_from_step(plan, seconds)
+        if plan.decode_rows and not plan.chunks and plan.groups is None:
+            last = self.decode_step_seconds
+            self.decode_step_seconds = seconds if not last else 0.9 * last + 0.1 * seconds
         return self._record(plan, seconds)
 
     def _execute(self, sbs: list[SubBatch], chunks: list[Chunk]) -> list:

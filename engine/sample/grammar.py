@@ -21,6 +21,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,9 +39,21 @@ GRAMMAR_CACHE_ENTRIES = 256
 # mask-cost check below refuses it at compile; normal grammars stay far within either.
 PARSER_LIMITS = dict(step_lexer_fuel=50_000, max_lexer_states=20_000, initial_lexer_fuel=300_000,
                      step_max_items=20_000)
-# A grammar whose start-state mask (after its one-time set-up) costs more CPU than this is refused:
-# every step would pay about as much, on the engine thread.
+# A grammar whose start-state mask (after its one-time set-up) costs more CPU than its limit is
+# refused: every step would pay about as much, on the engine thread. The limit is a share of the
+# engine's own decode step (20 ms was set against a 100 ms CPU step; a GPU step is a
+# few ms), within these bounds.
 MAX_MASK_SECONDS = 0.02
+MIN_MASK_SECONDS = 0.001
+MASK_SHARE_OF_STEP = 0.25
+
+
+def mask_limit(step_seconds: float) -> float:
+    """The most CPU one grammar's mask may cost, for a decode step of `step_seconds`
+    (0: not measured yet, the fixed ceiling)."""
+    if step_seconds <= 0:
+        return MAX_MASK_SECONDS
+    return min(MAX_MASK_SECONDS, max(MIN_MASK_SECONDS, MASK_SHARE_OF_STEP * step_seconds))
 # JSON is written as json.dumps writes it: `{"a": 1, "b": [2, 3]}`. llguidance's default lets the
 # model put any whitespace between tokens, and a small model sampling at temperature 1 then fills
 # the answer with blank lines until its token budget ends. A schema's own "x-guidance" wins.
@@ -119,8 +132,10 @@ class GrammarCompiler:
     """Compiles grammars over one tokenizer, from any thread, with a bounded cache."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int],
-                 capacity: int = GRAMMAR_CACHE_ENTRIES):
+                 capacity: int = GRAMMAR_CACHE_ENTRIES,
+                 step_seconds: Callable[[], float] = lambda: 0.0):
         self._hf_tokenizer = tokenizer
+        self._step_seconds = step_seconds  # the engine's decode step, as it measures it
         self.vocab_size = vocab_size
         self._eos_ids = eos_ids
         self._capacity = capacity
@@ -179,9 +194,11 @@ class GrammarCompiler:
         cost = time.thread_time() - t0
         if matcher.is_error():
             raise InvalidGrammar(matcher.get_error())
-        if cost > MAX_MASK_SECONDS:
-            raise InvalidGrammar(f"too expensive to enforce: a token mask takes {cost * 1e3:.0f} "
-                                 f"ms of CPU (the limit is {MAX_MASK_SECONDS * 1e3:.0f} ms)")
+        limit = mask_limit(self._step_seconds())
+        if cost > limit:
+            raise InvalidGrammar(f"too expensive to enforce: a token mask takes {cost * 1e3:.1f} "
+                                 f"ms of CPU (the limit is {limit * 1e3:.1f} ms, a quarter of this "
+                                 "engine's decode step)")
         return matcher
 
     def __len__(self) -> int:

@@ -12,7 +12,13 @@ import torch
 
 from engine import SamplingParams
 from engine.errors import InvalidGrammar
-from engine.sample.grammar import Grammar, GrammarCompiler, unpack_bitmask
+from engine.sample.grammar import (
+    MAX_MASK_SECONDS,
+    Grammar,
+    GrammarCompiler,
+    mask_limit,
+    unpack_bitmask,
+)
 from tests.engine.helpers import collect
 
 # Every kind of constraint the issue names: nested objects, arrays with min/max items, enums,
@@ -139,6 +145,35 @@ def test_a_grammar_too_costly_per_token_is_refused(smollm2):
         compiler.compile(Grammar.regex("(a{1000}){1000}"))
     big_enum = Grammar.json_schema({"enum": [f"value number {i}" for i in range(5000)]})
     assert compiler.compile(big_enum).matcher() is not None  # large but cheap per token
+
+
+def test_the_mask_cost_limit_follows_the_engines_step(smollm2):
+    """The limit is a quarter of the engine's decode step, within 1 and 20 ms: a grammar
+    a CPU engine accepts can be too costly for a GPU engine's few-millisecond step."""
+    assert mask_limit(0.0) == MAX_MASK_SECONDS  # nothing measured yet
+    assert mask_limit(0.100) == pytest.approx(0.020)
+    assert mask_limit(0.008) == pytest.approx(0.002)
+    assert mask_limit(0.0001) == pytest.approx(0.001)
+    vocab = smollm2.model.config.vocab_size
+    grammar = Grammar.json_schema({"enum": [f"value number {i}" for i in range(5000)]})
+    slow = GrammarCompiler(smollm2.tokenizer, vocab, [2], step_seconds=lambda: 0.1)
+    assert slow.compile(grammar).matcher() is not None
+    fast = GrammarCompiler(smollm2.tokenizer, vocab, [2], step_seconds=lambda: 1e-9)
+    with pytest.raises(InvalidGrammar, match="too expensive to enforce"):
+        # A 5000-value enum's mask costs more than the 1 ms floor only on a slow machine:
+        # the floor is lowered here to make the check's effect visible.
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("engine.sample.grammar.MIN_MASK_SECONDS", 1e-7)
+            fast.compile(grammar)
+
+
+def test_engine_publishes_its_step_cost_to_the_compiler(smollm2, make_engine):
+    eng = make_engine(smollm2)
+    ids = smollm2.tokenizer.encode("Count: one, two, three")
+    eng.submit(ids, SamplingParams(strategy="greedy", max_new_tokens=12, min_new_tokens=12))
+    eng.run_until_idle()
+    assert eng.decode_step_seconds > 0
+    assert eng.grammars._step_seconds() == eng.decode_step_seconds
 
 
 def test_unpacked_bitmask_matches_bits():
