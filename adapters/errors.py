@@ -18,6 +18,7 @@ from engine import (
     EngineUnavailable,
     InvalidParams,
     JobDelta,
+    KvBudgetExceeded,
     QueueFull,
 )
 
@@ -107,8 +108,9 @@ def from_engine_error(exc: Exception, names: ParamNames) -> ApiError:
     `Engine.submit`) into the API error it means, the parameter named as `names` says."""
     if isinstance(exc, InvalidParams):
         param = names(exc.param)
-        code = "context_length_exceeded" if isinstance(exc, ContextLengthExceeded) \
-            else "invalid_value"
+        # A job too large for the KV cache is, to a client, a context too long for this server.
+        code = "context_length_exceeded" if isinstance(
+            exc, (ContextLengthExceeded, KvBudgetExceeded)) else "invalid_value"
         return ApiError(400, exc.message_for(param), code, param)
     if isinstance(exc, QueueFull):
         return ApiError(429, f"The server is at capacity: {exc}.", "rate_limit_exceeded",

@@ -37,8 +37,8 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("seqgate_prompt_cache_bytes", "Bytes held by the prefix cache",
                                 value=s.prefix_cache_bytes)
         yield GaugeMetricFamily("seqgate_prompt_cache_budget_bytes", "Most bytes the prefix "
-                                "cache may hold (--prompt-cache-bytes; 0: off)",
-                                value=engine.config.prompt_cache_bytes)
+                                "cache may hold (--prompt-cache-bytes, within the KV budget; "
+                                "0: off)", value=s.prefix_cache_capacity_bytes)
         yield GaugeMetricFamily("seqgate_prompt_cache_entries", "Nodes of the prefix cache's "
                                 "radix tree holding KV", value=s.prefix_cache_entries)
         yield GaugeMetricFamily("seqgate_kv_cache_bytes", "Bytes held by the rolling batch's KV "
@@ -46,6 +46,10 @@ class _EngineCollector(Collector):
                                 "come count once written)", value=s.kv_bytes)
         yield GaugeMetricFamily("seqgate_kv_cache_peak_bytes", "Most bytes the rolling batch's KV "
                                 "held after any step since start", value=s.peak_kv_bytes)
+        yield GaugeMetricFamily("seqgate_kv_cache_budget_bytes", "Most bytes the rolling batch's "
+                                "KV may hold: the KV budget (--kv-cache-bytes or "
+                                "--gpu-memory-utilization) less the prefix cache's; 0: none",
+                                value=s.kv_budget_bytes)
         counters = (
             ("seqgate_engine_steps", "Engine steps run", s.steps),
             ("seqgate_prompt_tokens", "Prompt tokens submitted to the engine", s.prompt_tokens),

@@ -204,7 +204,8 @@ OPTIONS: tuple[Option, ...] = (
            "--trust-remote-code"),
     Option("cache_dir", "engine", _text, ("option.cache_dir",), "--cache-dir"),
     Option("max_rolling_batch_size", "engine", _int(), ("option.max_rolling_batch_size",),
-           "--max-rolling-batch-size"),
+           "--max-rolling-batch-size",
+           "most sequences running at once (0: auto, 32; on CUDA from the KV budget, up to 256)"),
     Option("job_queue_size", "engine", _int(), ("job_queue_size",), "--job-queue-size"),
     Option("max_sparsity", "engine", _number, ("option.max_sparsity",),
            "--max-sparsity"),
@@ -219,6 +220,14 @@ OPTIONS: tuple[Option, ...] = (
            "--scheduling-age-limit"),
     Option("prompt_cache_bytes", "engine", _int(), ("option.prompt_cache_bytes",),
            "--prompt-cache-bytes"),
+    Option("kv_cache_bytes", "engine", _int(), ("option.kv_cache_bytes",), "--kv-cache-bytes",
+           "bytes of KV the rolling batch and the prompt cache may hold together; jobs are "
+           "admitted while theirs fit (0: auto, from --gpu-memory-utilization on CUDA, half "
+           "the memory available at start on the CPU)"),
+    Option("gpu_memory_utilization", "engine", _number, ("option.gpu_memory_utilization",),
+           "--gpu-memory-utilization",
+           "share of the GPU's memory the engine may use; the KV budget is that less what the "
+           "model and a warm-up step take (default 0.9)"),
     Option("fuse_sub_batches", "engine", _bool, ("option.fuse_sub_batches",),
            "--fuse-sub-batches",
            "one forward for all sub-batches, attention split per sub-batch (true | false)"),

@@ -20,6 +20,7 @@ from engine.errors import (
     EngineStopped,
     EngineUnavailable,
     InvalidParams,
+    KvBudgetExceeded,
     ModelLoadError,
     QueueFull,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "InvalidParams",
     "JobDelta",
     "JobHandle",
+    "KvBudgetExceeded",
     "LoadedModel",
     "ModelLoadError",
     "QueueFull",

@@ -12,7 +12,9 @@ POLICIES = ("fifo", "priority", "shortest")
 DTYPES = ("auto", "fp32", "fp16", "bf16")
 QUANTIZE_MODES = ("none", "int8", "int4")
 DECODE_ATTENTION = ("auto", "sdpa")
-
+# Rows of an automatic max_rolling_batch_size where the KV budget does not set it (the CPU);
+# at least MAX_N (engine/request/sampling_params.py), so any job's `n` fits.
+AUTO_BATCH_ROWS = 32
 
 
 def default_num_threads() -> int:
@@ -42,8 +44,8 @@ class EngineConfig:
     trust_remote_code: bool = False
     # Where de-quantised GGUF models are cached as safetensors; None: ~/.cache/seqgate.
     cache_dir: str | None = None
-    # Rolling batch.
-    max_rolling_batch_size: int = 32
+    # Rolling batch: the most sequences it runs; 0: auto, `batch_rows`.
+    max_rolling_batch_size: int = 0
     job_queue_size: int = 1000
     # Max-sparsity thresholding.
     max_sparsity: float = 0.33
@@ -53,8 +55,16 @@ class EngineConfig:
     # Run all sub-batches in one forward call with attention split per sub-batch (models using
     # transformers' attention interface); off: one forward per sub-batch.
     fuse_sub_batches: bool = True
-    # Prompt cache (system-prompt prefix KV), bounded in bytes; 0 disables it.
+    # Prompt cache (system-prompt prefix KV), bounded in bytes; 0 disables it. Within the KV
+    # budget it gets at most a share of it (engine/kv/budget.py).
     prompt_cache_bytes: int = 512 * 1024 * 1024
+    # The KV budget, in bytes, for the rolling batch's slabs and the prompt cache together
+    # (engine/kv/budget.py); 0: auto, from gpu_memory_utilization on CUDA, from the memory
+    # available at start on the CPU.
+    kv_cache_bytes: int = 0
+    # On CUDA, the share of the device's memory the engine may use: the KV budget is that, less
+    # what the loaded model and a warm-up step take (vLLM's and DJL LMI's name).
+    gpu_memory_utilization: float = 0.9
     # Smallest prefix (tokens) worth caching.
     prompt_cache_min_tokens: int = 16
     # Tokens one step computes: every running row's decode token, then prompt chunks in what is
@@ -103,8 +113,9 @@ class EngineConfig:
                               "one of " + ", ".join(POLICIES))
         if not self.scheduling_age_limit > 0:
             raise ConfigError("scheduling_age_limit", self.scheduling_age_limit, "> 0 seconds")
-        if self.max_rolling_batch_size < 1:
-            raise ConfigError("max_rolling_batch_size", self.max_rolling_batch_size, ">= 1")
+        if self.max_rolling_batch_size < 0:
+            raise ConfigError("max_rolling_batch_size", self.max_rolling_batch_size,
+                              ">= 1, or 0 for auto")
         if self.job_queue_size < 0:
             raise ConfigError("job_queue_size", self.job_queue_size, ">= 0")
         if not 0.0 <= self.max_sparsity <= 1.0:
@@ -113,10 +124,14 @@ class EngineConfig:
             raise ConfigError("max_splits", self.max_splits, ">= 1")
         if self.prompt_cache_bytes < 0:
             raise ConfigError("prompt_cache_bytes", self.prompt_cache_bytes, ">= 0")
-        if self.max_num_batched_tokens and \
-                self.max_num_batched_tokens <= self.max_rolling_batch_size:
+        if self.kv_cache_bytes < 0:
+            raise ConfigError("kv_cache_bytes", self.kv_cache_bytes, ">= 0 (0 = auto)")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization", self.gpu_memory_utilization,
+                              "a number in (0, 1]")
+        if self.max_num_batched_tokens and self.max_num_batched_tokens <= self.batch_rows:
             raise ConfigError("max_num_batched_tokens", self.max_num_batched_tokens,
-                              f"more than max_rolling_batch_size ({self.max_rolling_batch_size}),"
+                              f"more than max_rolling_batch_size ({self.batch_rows}),"
                               " so that prompts progress while the batch decodes")
         if self.stall_ratio and not self.stall_ratio > 1.0:
             raise ConfigError("stall_ratio", self.stall_ratio, "> 1, or 0 to turn it off")
@@ -141,11 +156,18 @@ class EngineConfig:
             raise ConfigError("device", self.device, "auto, cpu, cuda or cuda:N")
 
     @property
+    def batch_rows(self) -> int:
+        """The most sequences the rolling batch runs: `max_rolling_batch_size`, or when that is
+        0, AUTO_BATCH_ROWS (on CUDA the engine derives it from the KV budget instead, and runs
+        with that value set)."""
+        return self.max_rolling_batch_size or AUTO_BATCH_ROWS
+
+    @property
     def token_budget(self) -> int:
         """A step's token budget: `max_num_batched_tokens`, by default 256 (measured on the
         ShareGPT sweep and the stall scenario, docs/benchmarks.md) or twice the batch when
         that is larger, so that prompts always get part of a full batch's step."""
-        return self.max_num_batched_tokens or max(256, 2 * self.max_rolling_batch_size)
+        return self.max_num_batched_tokens or max(256, 2 * self.batch_rows)
 
     @property
     def threads(self) -> int:

@@ -51,6 +51,32 @@ class ContextLengthExceeded(InvalidParams):
         )
 
 
+class KvBudgetExceeded(InvalidParams):
+    """A job whose KV could not fit the engine's KV budget even alone: `n` rows of up to
+    `row_tokens` tokens each (its prompt, `max_new_tokens`, contrastive candidates) over the
+    `limit` tokens the rolling batch may hold. `param` is what to reduce: the prompt when it
+    alone does not fit, else `n` or `max_new_tokens`."""
+
+    def __init__(self, param: str, prompt_tokens: int, max_new_tokens: int, n: int,
+                 row_tokens: int, limit: int):
+        self.prompt_tokens, self.max_new_tokens, self.n = prompt_tokens, max_new_tokens, n
+        self.row_tokens, self.limit = row_tokens, limit
+        rows = f"{n} sequences of up to {row_tokens} tokens" if n > 1 else \
+            f"up to {row_tokens} tokens"
+        super().__init__(
+            param,
+            f"{{param}} is too large for this server's KV cache: the request may hold {rows} of "
+            f"KV ({prompt_tokens} in the prompt, {max_new_tokens} for the completion), and the "
+            f"cache holds at most {limit} tokens for one request (its memory budget: "
+            f"--kv-cache-bytes or --gpu-memory-utilization). Please reduce the prompt or the "
+            f"completion length. (context_length_exceeded)",
+        )
+
+    def __reduce__(self):  # rebuilt from its figures when it crosses processes (replicas)
+        return KvBudgetExceeded, (self.param, self.prompt_tokens, self.max_new_tokens, self.n,
+                                  self.row_tokens, self.limit)
+
+
 class InvalidGrammar(InvalidParams):
     """A grammar llguidance cannot compile; the message says why (the adapter names the
     parameter that carried it)."""

@@ -87,4 +87,6 @@ class EngineStats:
     grammar_mask_seconds: float = 0.0  # time spent computing and applying those masks
     kv_bytes: int = 0  # held by the rolling batch's slabs after the last step
     peak_kv_bytes: int = 0  # the most they held after any step
+    kv_budget_bytes: int = 0  # the most they may hold (the KV budget less the prefix cache's)
+    prefix_cache_capacity_bytes: int = 0  # --prompt-cache-bytes, or less within the KV budget
     finished_by_reason: Counter = field(default_factory=Counter)

@@ -57,7 +57,7 @@ class OpsController(Controller):
             "max_model_len": engine.max_model_len if engine else None,
             "device": str(engine.loaded.device) if engine else None,
             "dtype": str(engine.loaded.dtype).removeprefix("torch.") if engine else None,
-            "engine": {"max_rolling_batch_size": cfg.max_rolling_batch_size,
+            "engine": {"max_rolling_batch_size": (engine.config if engine else cfg).batch_rows,
                        "job_queue_size": cfg.job_queue_size, "max_sparsity": cfg.max_sparsity,
                        "max_splits": cfg.max_splits, "decoding_strategy": cfg.decoding_strategy,
                        "num_threads": cfg.threads, "quantize": cfg.quantize},

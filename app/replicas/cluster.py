@@ -119,7 +119,7 @@ def check_gpus(settings: Settings, share: float, gpus: int) -> None:
 def deployment_options(settings: Settings) -> dict[str, Any]:
     """Ray Serve's options for the replicas' deployment (also read by the docs' example)."""
     r, engine = settings.replicas, settings.engine
-    batch = engine.max_rolling_batch_size
+    batch = engine.batch_rows  # auto on CUDA: the replicas derive more from their KV budget
     actor: dict[str, Any] = {"num_cpus": r.replica_cpus}
     if gpus := replica_gpus(settings):
         actor["num_gpus"] = gpus

@@ -2,8 +2,9 @@
 replica.
 
 The gateway calls `generate(prompt_ids, params, grammar)` through a streaming deployment handle.
-Its first item is `Admitted` (the replica's id) or the refusal (QueueFull, EngineStopped), then
-the job's `JobDelta`s; anything else raised reaches the gateway as Ray's task error (a 500).
+Its first item is `Admitted` (the replica's id) or the refusal (QueueFull, EngineStopped, and
+KvBudgetExceeded: the KV budget is the replica's own), then the job's `JobDelta`s; anything
+else raised reaches the gateway as Ray's task error (a 500).
 The gateway has checked the job against the same limits (`validate_job`) before sending it.
 When the gateway cancels the call (its client went away, its deadline passed), Ray cancels this
 generator and the job is aborted here, on the replica that runs it. Grammars travel as their
@@ -26,7 +27,14 @@ from typing import Any
 
 from ray import serve
 
-from engine import Engine, EngineConfig, EngineStopped, QueueFull, SamplingParams
+from engine import (
+    Engine,
+    EngineConfig,
+    EngineStopped,
+    KvBudgetExceeded,
+    QueueFull,
+    SamplingParams,
+)
 from engine.kv.host_memory import freeze_startup_objects
 from engine.sample.grammar import Grammar
 
@@ -82,7 +90,8 @@ class EngineReplica:
             params = dataclasses.replace(params, grammar=compiled)
         try:
             handle = self.engine.submit(prompt_ids, params)
-        except (QueueFull, EngineStopped) as exc:  # refusals: the gateway answers 429 / 503
+        # Refusals: the gateway answers 429, 503, or 400 for a job its KV budget cannot hold.
+        except (QueueFull, EngineStopped, KvBudgetExceeded) as exc:
             yield exc
             return
         job = handle.job_id
@@ -109,6 +118,8 @@ class EngineReplica:
             "prompt_tokens": s.prompt_tokens, "generated_tokens": s.generated_tokens,
             "cached_tokens": s.cached_tokens, "cache_hits": s.cache_hits,
             "cache_misses": s.cache_misses, "steps": s.steps,
+            "kv_budget_bytes": s.kv_budget_bytes,
+            "prefix_cache_capacity_bytes": s.prefix_cache_capacity_bytes,
             "finished": {str(k): v for k, v in s.finished_by_reason.items()},
         }
 

@@ -56,7 +56,7 @@ class EngineClient(Protocol):
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                job_id: str | None = None) -> SubmittedJob:
         """Queue a job, or raise QueueFull, InvalidParams, ContextLengthExceeded,
-        EngineStopped."""
+        KvBudgetExceeded, EngineStopped."""
         ...
 
     def abort(self, job_id: str) -> None: ...

@@ -19,7 +19,7 @@ from engine.distributed.tensor_parallel import Lockstep, RankGroup, join
 from engine.errors import EngineStopped
 from engine.model.loader import LoadedModel, load_model
 from engine.request.job import new_job
-from engine.request.sampling_params import SamplingParams, validate_job
+from engine.request.sampling_params import SamplingParams, check_kv_budget, validate_job
 
 log = logging.getLogger("seqgate.engine")
 
@@ -37,7 +37,7 @@ class Engine(EngineCore):
         if ranks is None and config.tensor_parallel_degree > 1:
             ranks = RankGroup.lead(config, _follow)
         self.ranks = ranks
-        super().__init__(config, loaded or load_model(config), learn_costs=ranks is None)
+        super().__init__(config, loaded or load_model(config), ranks)
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._running = False
@@ -88,9 +88,10 @@ class Engine(EngineCore):
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                job_id: str | None = None) -> JobHandle:
         """Queue a job; its output arrives on the returned handle. Raises QueueFull, InvalidParams,
-        ContextLengthExceeded or EngineStopped."""
+        ContextLengthExceeded, KvBudgetExceeded or EngineStopped."""
         strategy = validate_job(prompt_ids, params, self.config, self.runner.vocab_size,
                                 self.max_model_len)
+        check_kv_budget(len(prompt_ids), params, strategy, self.kv_budget)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:

@@ -96,6 +96,12 @@ class RankGroup:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def least(self, value: int) -> int:
+        """The smallest of every rank's `value` (each rank calls it at the same point)."""
+        values: list[Any] = [None] * self.world
+        dist.all_gather_object(values, value)
+        return min(values)
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -34,6 +34,14 @@ class RowOwner(Protocol):
     def tokens_left(self) -> int:
         """Tokens it may still generate (each one more column)."""
 
+    @property
+    def kv_reserved(self) -> int:
+        """Tokens of KV it may come to hold (its job's reservation per row)."""
+
+    @property
+    def feeds(self) -> int:
+        """Columns it writes at its next decode step (contrastive rows: their candidates)."""
+
 # Columns allocated beyond the current width, so decode steps write in place instead of
 # reallocating (DynamicCache's torch.cat copies the whole cache every step).
 GROWTH_COLUMNS = 64
@@ -80,17 +88,27 @@ def headroom(seqs: list[RowOwner], device: torch.device, needed: int, capacity: 
     return slab_columns(capacity, needed, tokens_left(seqs), lazy) - needed
 
 
+def claim_columns(seqs: list[RowOwner], width: int = 0) -> int:
+    """Columns a slab of `seqs` may come to need: the longest reservation among them, and at
+    least its window (`width`, or the longest row) and the columns the next step writes."""
+    window = max(width, max(s.kv_len for s in seqs))
+    return max(max(s.kv_reserved for s in seqs), window + max(s.feeds for s in seqs))
+
+
 def reserved_slabs(like: torch.Tensor, seqs: list[RowOwner], width: int,
                    shapes: Callable[[int], list[tuple[tuple[int, ...], tuple[int, ...]]]],
-                   capacity: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`new_slabs` of `shapes(columns)` for `width` columns and the `headroom` of `seqs`. Where
-    that does not fit, the reservation of a block charged whole (the CPU under strict overcommit
-    accounting or a virtual memory limit), then only GROWTH_COLUMNS beyond (memory running out).
+                   capacity: int = 0, most: int | None = None
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`new_slabs` of `shapes(columns)` for `width` columns and the `headroom` of `seqs`, at
+    most `most` columns (what the KV budget leaves; at least `width`). Where that does not fit,
+    the reservation of a block charged whole (the CPU under strict overcommit accounting or a
+    virtual memory limit), then only GROWTH_COLUMNS beyond (memory running out).
     """
-    least = width + GROWTH_COLUMNS
+    least = width + GROWTH_COLUMNS if most is None else min(width + GROWTH_COLUMNS, most)
     failed = math.inf
     for columns in (width + headroom(seqs, like.device, width, capacity),
                     slab_columns(capacity, width, tokens_left(seqs), lazy=False)):
+        columns = columns if most is None else min(columns, most)
         if least < columns < failed:
             try:
                 return new_slabs(like, shapes(columns))
@@ -126,6 +144,23 @@ class SubBatch:
     def padded_tokens(self) -> int:
         return sum(self.width - s.kv_len for s in self.seqs)
 
+    def feeds(self) -> int:
+        """Columns the next decode step writes: the most any row feeds."""
+        return max((s.feeds for s in self.seqs), default=1)
+
+    @property
+    def cell_bytes(self) -> int:
+        """Bytes of one row's KV at one column, over every layer."""
+        return sum(la.kbuf[0, :, 0].nbytes + la.vbuf[0, :, 0].nbytes for la in self.cache.layers)
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the slab's whole block: spare rows and reserved columns included."""
+        return sum(layer.kbuf.nbytes + layer.vbuf.nbytes for layer in self.cache.layers)
+
+    def claim_bytes(self) -> int:
+        """Bytes its rows may come to need (`claim_columns`), without spare rows."""
+        return self.size * claim_columns(self.seqs, self.width) * self.cell_bytes
+
     def row(self, i: int) -> RowKV:
         length = self.seqs[i].kv_len
         keys = [layer.kbuf[i, :, layer.end - length : layer.end] for layer in self.cache.layers]
@@ -138,7 +173,7 @@ class SubBatch:
         Elsewhere the whole allocation."""
         layers = self.cache.layers
         if not pages_on_write(layers[0].kbuf.device):
-            return sum(layer.kbuf.nbytes + layer.vbuf.nbytes for layer in layers)
+            return self.allocated_bytes()
         return sum(buf[: layer.rows, :, : layer.end].nbytes for layer in layers
                    for buf in (layer.kbuf, layer.vbuf))
 
@@ -183,26 +218,47 @@ class SubBatch:
         for s in self.seqs:
             s.kv_len += 1
 
-    def reserve(self, columns: int) -> None:
-        """Make room for a window of `columns` columns in every layer, moving the slabs to a
-        larger block (the window at its left edge, `headroom` to spare) when they are full.
-        Called before each decode forward.
+    def fits(self, columns: int) -> bool:
+        """Whether a window of `columns` columns fits the block in place.
 
         The columns left of the window are dead (rows longer than any left have gone) and
         stay resident, so the window also moves once they outnumber its columns: a slab that
         reserves for every token to come would otherwise keep them for its whole life."""
-        layers = self.cache.layers
-        first = layers[0]
-        if first.start + columns <= first.capacity and \
-                first.start <= max(columns, GROWTH_COLUMNS):
+        first = self.cache.layers[0]
+        return first.start + columns <= first.capacity and \
+            first.start <= max(columns, GROWTH_COLUMNS)
+
+    def reserve(self, columns: int, most: int | None = None) -> None:
+        """Make room for a window of `columns` columns in every layer, moving the slabs to a
+        larger block (the window at its left edge, `headroom` to spare) when they do not fit
+        (`fits`). Called before each decode forward. `most`: the bytes the new block may take
+        (the KV budget's room; its spare rows go first where its rows' claim would not fit)."""
+        if self.fits(columns):
             return
+        first = self.cache.layers[0]
+        rows = self.row_capacity
+        if most is not None and \
+                rows * claim_columns(self.seqs, self.width) * self.cell_bytes > most:
+            rows = self.size
+        self._move(rows, columns, first.capacity - first.start, most)
+
+    def compact(self) -> None:
+        """Move to a block of its rows alone and the columns they may come to need
+        (`claim_bytes`), giving back spare rows and columns to the KV budget."""
+        self._move(self.size, claim_columns(self.seqs, self.width), 0, self.claim_bytes())
+
+    def _move(self, rows: int, columns: int, capacity: int, most: int | None) -> None:
+        """Copy the rows in use and their window to a new block of `rows` rows and at least
+        `columns` columns (`reserved_slabs`), within `most` bytes where that is not less."""
+        layers = self.cache.layers
 
         def shapes(capacity: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-            return [((*la.kbuf.shape[:2], capacity, la.kbuf.shape[-1]),
-                     (*la.vbuf.shape[:2], capacity, la.vbuf.shape[-1])) for la in layers]
+            return [((rows, la.kbuf.shape[1], capacity, la.kbuf.shape[-1]),
+                     (rows, la.vbuf.shape[1], capacity, la.vbuf.shape[-1])) for la in layers]
 
-        slabs = reserved_slabs(first.kbuf, self.seqs, columns, shapes,
-                               first.capacity - first.start)
+        most_columns = None if most is None else max(columns, most // (rows * self.cell_bytes))
+        slabs = reserved_slabs(layers[0].kbuf, self.seqs, columns, shapes, capacity,
+                               most_columns)
         for layer, (k, v) in zip(layers, slabs):
             n, used = layer.rows, layer.end - layer.start
             k[:n, :, :used] = layer.kbuf[:n, :, layer.start : layer.end]
@@ -257,9 +313,12 @@ class SubBatch:
         self.seqs.append(seq)
 
 
-def build_sub_batch(seqs: list[RowOwner], sources: list[tuple[SubBatch, int] | RowKV]) -> SubBatch:
+def build_sub_batch(seqs: list[RowOwner], sources: list[tuple[SubBatch, int] | RowKV],
+                    most: int | None = None) -> SubBatch:
     """Write rows into a fresh left-padded slab, `headroom` wide beyond the longest row,
-    with a quarter more rows (rounded down) for rows that join later.
+    with a quarter more rows (rounded down) for rows that join later. `most`: the bytes the
+    slab may take (the KV budget's room): the spare rows only where the rows' claim
+    (`claim_columns`) fits beside them, and no more columns than fit.
 
     A source is a row of an existing sub-batch, `(sub_batch, index)`, or a newly prefilled RowKV.
     Rows taken from one sub-batch move with one gather per layer: their real tokens all lie in
@@ -292,8 +351,15 @@ def build_sub_batch(seqs: list[RowOwner], sources: list[tuple[SubBatch, int] | R
     def shapes(capacity: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         return [((rows, h, capacity, kd), (rows, h, capacity, vd)) for h, kd, vd in dims]
 
+    most_columns = None
+    if most is not None:
+        cell = sum(h * (kd + vd) for h, kd, vd in dims) * like.element_size()
+        if rows * claim_columns(seqs) * cell > most:
+            rows = len(seqs)
+        most_columns = max(width + max(s.feeds for s in seqs), most // (rows * cell))
     layers = []
-    for li, (kbuf, vbuf) in enumerate(reserved_slabs(like, seqs, width, shapes)):
+    for li, (kbuf, vbuf) in enumerate(reserved_slabs(like, seqs, width, shapes,
+                                                      most=most_columns)):
         # Padding must hold finite values (masked scores still multiply V): each row's columns
         # before what is copied into it are zeroed (not the whole window: a second pass over
         # hundreds of MiB when long rows regroup).

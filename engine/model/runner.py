@@ -122,7 +122,8 @@ class ModelRunner:
     def prepare_inputs(self, plan: StepPlan, batch: RollingBatch) -> list[Chunk]:
         """Lay the step's KV out as planned and build its prompt chunks' inputs: aborted prompts
         drop their KV, the batch takes the plan's partition (jobs that joined bring their
-        prompt's KV as new rows), and a job's first chunk starts from its cached prefix."""
+        prompt's KV as new rows) and the columns its rows write this step, within the plan's
+        KV limit, and a job's first chunk starts from its cached prefix."""
         for job in plan.aborted:
             job.release_prompt()
         if plan.groups is not None:
@@ -131,7 +132,8 @@ class ModelRunner:
                 row = row_from_cache(job.kv)
                 new_rows.update((s, row) for s in job.seqs)
                 job.release_prompt()
-            batch.regroup(plan.groups, new_rows)
+            batch.regroup(plan.groups, new_rows, plan.kv_limit)
+        batch.make_room(plan.kv_limit)
         return [self._chunk_input(c) for c in plan.chunks]
 
     def _chunk_input(self, chunk: PrefillChunk) -> Chunk:

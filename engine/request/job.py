@@ -14,7 +14,7 @@ from llguidance import LLMatcher
 from engine.kv.radix_cache import PrefixEntry
 from engine.outputs import JobDelta, TokenLogprob
 from engine.request.detokenize import IncrementalDetokenizer
-from engine.request.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams, row_kv_tokens
 from engine.request.stops import StopMatcher
 
 
@@ -97,6 +97,15 @@ class Sequence:
     def tokens_left(self) -> int:
         return self.params.max_new_tokens - len(self.generated)
 
+    @property
+    def kv_reserved(self) -> int:
+        return self.job.kv_reserved
+
+    @property
+    def feeds(self) -> int:
+        """Tokens it feeds at its next decode step: its candidates, or its pending token."""
+        return len(self.candidates.ids) if self.candidates is not None else 1
+
     def start(self, tokenizer, device: torch.device, hidden: torch.Tensor | None) -> None:
         """Set up decoding once the prompt is prefilled: detokenizer, stop matcher, the seeded
         generator, and the prompt's hidden states (contrastive search)."""
@@ -153,6 +162,11 @@ class Job:
     @property
     def done(self) -> bool:
         return all(s.status.finished for s in self.seqs)
+
+    @property
+    def kv_reserved(self) -> int:
+        """Tokens of KV each of its rows may come to hold (`row_kv_tokens`)."""
+        return row_kv_tokens(len(self.prompt_ids), self.params, self.strategy)
 
     def release_prompt(self) -> None:
         """Drop what prefilling held: the prompt's KV (the batch or the prefix cache keep their

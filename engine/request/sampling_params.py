@@ -6,10 +6,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.config import STRATEGIES
-from engine.errors import ContextLengthExceeded, InvalidParams
+from engine.errors import ContextLengthExceeded, InvalidParams, KvBudgetExceeded
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
+    from engine.kv.budget import KvBudget
     from engine.sample.grammar import CompiledGrammar
 
 # Bounds on what a client controls per job: each one caps memory or work on the engine thread.
@@ -21,6 +22,7 @@ PRIORITY_LIMIT = 2**31 - 1
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_CONTRASTIVE_TOP_K = 16  # each candidate is one more row in the look-ahead forward
+CONTRASTIVE_DEFAULT_K = 4  # candidates of a contrastive job that leaves top_k at 0
 MAX_TOP_K = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**63 - 1)  # int64, as OpenAI documents it
 
@@ -33,6 +35,27 @@ def check_context(prompt_tokens: int, max_new_tokens: int, limit: int) -> None:
         raise ContextLengthExceeded(prompt_tokens, max_new_tokens, limit)
 
 
+def row_kv_tokens(prompt_tokens: int, params: SamplingParams, strategy: str) -> int:
+    """Tokens of KV one of a job's rows may come to hold: its prompt, every token it may
+    generate, and a contrastive row's candidates, written beside its context for a step."""
+    candidates = (params.top_k or CONTRASTIVE_DEFAULT_K) if strategy == "contrastive" else 0
+    return prompt_tokens + params.max_new_tokens + candidates
+
+
+def check_kv_budget(prompt_tokens: int, params: SamplingParams, strategy: str,
+                    budget: KvBudget | None) -> None:
+    """Raise KvBudgetExceeded when a job could not be admitted even into an empty batch: its
+    `n` rows' KV over the budget (`KvBudget.admits`). The error names what to reduce."""
+    tokens = row_kv_tokens(prompt_tokens, params, strategy)
+    if budget is None or budget.admits(params.n, tokens):
+        return
+    least = tokens - params.max_new_tokens + 1  # with a single new token
+    param = "prompt" if not budget.admits(1, least) else \
+        "n" if not budget.admits(params.n, least) else "max_new_tokens"
+    raise KvBudgetExceeded(param, prompt_tokens, params.max_new_tokens, params.n, tokens,
+                           budget.batch_tokens)
+
+
 def validate_job(prompt_ids: list[int], params: SamplingParams, config: EngineConfig,
                  vocab_size: int, max_model_len: int) -> str:
     """Check a job against an engine's limits before it is queued; return its decoding strategy.
@@ -42,12 +65,9 @@ def validate_job(prompt_ids: list[int], params: SamplingParams, config: EngineCo
     params.validate()
     if not prompt_ids:
         raise InvalidParams("prompt", "{param} must not be empty")
-    if params.n > config.max_rolling_batch_size:
+    if params.n > config.batch_rows:
         raise InvalidParams(
-            "n",
-            f"{{param}}={params.n} exceeds max_rolling_batch_size="
-            f"{config.max_rolling_batch_size}",
-        )
+            "n", f"{{param}}={params.n} exceeds max_rolling_batch_size={config.batch_rows}")
     for param, ids in (
         ("prompt", prompt_ids),
         ("stop_token_ids", params.stop_token_ids),

@@ -15,6 +15,7 @@ import torch
 from engine.kv.batch import SubBatch
 from engine.outputs import TokenLogprob
 from engine.request.job import Candidates, SeqStatus, Sequence
+from engine.request.sampling_params import CONTRASTIVE_DEFAULT_K
 from engine.sample.contrastive import contrastive_scores
 from engine.sample.grammar import GrammarMasks
 from engine.sample.sampling import (
@@ -142,7 +143,7 @@ class TokenDecoder:
     def _propose(self, seqs: list[Sequence], logits: torch.Tensor, scored: torch.Tensor) -> None:
         """Each contrastive row's candidates: its top-k tokens among the allowed ones (a grammar
         or a bias may forbid most of them)."""
-        top_k = to_device([s.params.top_k or 4 for s in seqs], logits.device)
+        top_k = to_device([s.params.top_k or CONTRASTIVE_DEFAULT_K for s in seqs], logits.device)
         ks = torch.minimum(top_k, torch.isfinite(logits).sum(dim=-1)).tolist()
         if 0 in ks:
             raise ValueError("contrastive search found no allowed token")

@@ -8,8 +8,8 @@ chunk. While rows decode, a step's prompt work is also capped, unless `stall_rat
 what keeps it within that many times a decode-only step, from step costs learnt as the engine
 runs (`engine.sched.step_cost`): a decode row costs several prompt tokens on a CPU, so a token
 budget alone either stalls a large batch or starves prompts beside a small one. Jobs are admitted in
-FIFO order while batch slots last; a new job's prompt starts from the longest prefix the prefix
-cache holds.
+FIFO order while batch slots last and, under a KV budget, while the KV they may come to hold fits
+it (`KvBudget.admits`); a new job's prompt starts from the longest prefix the prefix cache holds.
 
 The plan (`StepPlan`) carries everything the step does: aborts, evictions, jobs joining the
 decode set, the partition of the decode rows into sub-batches, and the prefill chunks. Tests
@@ -23,6 +23,7 @@ import threading
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from engine.kv.budget import KvBudget
 from engine.kv.radix_cache import RadixPrefixCache
 from engine.request.job import Job, SeqStatus, Sequence
 from engine.sched.partition import partition_by_sparsity, sparsity
@@ -67,6 +68,9 @@ class StepPlan:
     decode_rows: int = 0
     chunks: list[PrefillChunk] = field(default_factory=list)
     prefill_units: int = 0  # the chunks' cost in budget units (`Scheduler.chunk_cost`)
+    # Bytes the batch's slabs may hold this step: the KV budget's less the prompts being
+    # prefilled (their KV is outside the batch); None: no KV budget.
+    kv_limit: int | None = None
 
     @property
     def prefill_tokens(self) -> int:
@@ -77,8 +81,10 @@ class Scheduler:
     """Owns the wait queue, the jobs being prefilled and the running (decoding) sequences."""
 
     def __init__(self, config: EngineConfig, prefix_cache: RadixPrefixCache | None = None,
-                 attention_tokens: int = 1 << 30, cost: StepCost | None = None):
+                 attention_tokens: int = 1 << 30, cost: StepCost | None = None,
+                 kv: KvBudget | None = None):
         self.config = config
+        self.kv = kv  # None: rows are admitted by count alone
         # Learnt step costs that bound a step's prompt work while rows decode; None: the token
         # budget alone (as under tensor parallelism, where every rank must plan alike).
         self.cost = cost if config.stall_ratio else None
@@ -102,7 +108,7 @@ class Scheduler:
             self._abort_ids.setdefault(job_id, self.step)
 
     def free_slots(self) -> int:
-        return self.config.max_rolling_batch_size - self.slots_taken()
+        return self.config.batch_rows - self.slots_taken()
 
     def slots_taken(self) -> int:
         return len(self.running) + sum(len(j.seqs) for j in list(self.prefilling))
@@ -136,13 +142,30 @@ class Scheduler:
                 break
             plan.prefill_units += self._chunk(plan, job, budget - plan.prefill_units)
         while plan.prefill_units < budget and (job := self.queue.peek()) is not None:
-            if self.slots_taken() + job.params.n > self.config.max_rolling_batch_size:
+            if not self._fits(job):
                 break
             self.queue.remove(job)
             self._admit(job)
             plan.admitted.append(job)
             plan.prefill_units += self._chunk(plan, job, budget - plan.prefill_units)
+        if self.kv is not None:
+            prompts = sum(len(j.prompt_ids) for j in self.prefilling)
+            plan.kv_limit = self.kv.batch - prompts * self.kv.per_token
         return plan
+
+    def _fits(self, job: Job) -> bool:
+        """Whether `job` fits beside the admitted jobs: its rows within max_rolling_batch_size
+        and, under a KV budget, every admitted row charged the longest reservation among them
+        (`KvBudget.admits`), which keeps the batch's slabs within the budget whatever the
+        partition (engine.kv.rolling_batch)."""
+        rows = self.slots_taken() + job.params.n
+        if rows > self.config.batch_rows:
+            return False
+        if self.kv is None:
+            return True
+        admitted = [s.job for s in self.running] + self.prefilling
+        longest = max((j.kv_reserved for j in admitted), default=0)
+        return self.kv.admits(rows, max(longest, job.kv_reserved))
 
     def prefill_budget(self, decode_rows: int) -> int:
         """Budget units of prompt work a step with `decode_rows` decode rows takes on: what the

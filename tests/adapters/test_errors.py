@@ -8,7 +8,14 @@ from adapters.errors import (
     draining_error,
     from_engine_error,
 )
-from engine import ContextLengthExceeded, EngineStopped, InvalidParams, QueueFull, SamplingParams
+from engine import (
+    ContextLengthExceeded,
+    EngineStopped,
+    InvalidParams,
+    KvBudgetExceeded,
+    QueueFull,
+    SamplingParams,
+)
 
 
 def test_envelope_has_all_four_fields_and_a_string_code():
@@ -29,6 +36,16 @@ def test_context_length_keeps_the_words_langchain_looks_for():
     assert err.param == "messages"
     assert "maximum context length" in err.message
     assert err.headers["x-should-retry"] == "false"
+
+
+def test_a_job_too_large_for_the_kv_budget_is_a_context_length_400():
+    for param, names, name in (("max_new_tokens", CHAT_NAMES, "max_tokens"),
+                               ("prompt", CHAT_NAMES, "messages"),
+                               ("prompt", DJL_NAMES, "inputs")):
+        err = from_engine_error(KvBudgetExceeded(param, 900, 200, 1, 1100, 1000), names)
+        assert (err.status, err.code, err.param) == (400, "context_length_exceeded", name)
+        assert err.message.startswith(f"{name} is too large for this server's KV cache")
+        assert err.headers["x-should-retry"] == "false"
 
 
 def test_invalid_params_and_stopped():

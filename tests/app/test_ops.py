@@ -49,7 +49,7 @@ def test_metrics_cover_requests_engine_and_latency(http, live_server):
     assert float(peak.split()[-1]) > 0  # the streamed request ran in the batch
     budget = next(line for line in lines
                   if line.startswith("seqgate_prompt_cache_budget_bytes"))
-    assert float(budget.split()[-1]) == live_server.engine.config.prompt_cache_bytes > 0
+    assert float(budget.split()[-1]) == live_server.engine.prefix_cache.capacity_bytes > 0
     assert 'route="/v1/chat/completions",status="400"' in text
     assert 'route="/v1/chat/completions",status="200"' in text
 

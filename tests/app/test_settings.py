@@ -1,9 +1,10 @@
+import argparse
 import logging
 
 import pytest
 
 from app.properties import PropertiesError, parse_properties, read_properties
-from app.settings import SettingsError, load_settings
+from app.settings import SettingsError, add_arguments, load_settings
 
 # The seed's serving.properties (seeds/001), with only the model id replaced.
 SEED_PROPERTIES = """\
@@ -67,7 +68,7 @@ def test_precedence_flags_over_env_over_file_over_defaults(props):
     assert s.engine.max_splits == 2  # file
     assert s.engine.max_sparsity == 0.25  # env over file
     assert s.engine.job_queue_size == 11  # flag over env
-    assert s.engine.max_rolling_batch_size == 32  # default
+    assert s.engine.max_rolling_batch_size == 0 and s.engine.batch_rows == 32  # default: auto
     assert s.server.port == 8000
 
 
@@ -169,3 +170,33 @@ def test_stall_ratio_from_each_source(props):
     assert load_settings(env={"SEQGATE_STALL_RATIO": "3"}).engine.stall_ratio == 3
     with pytest.raises(SettingsError, match=r"^option.stall_ratio .*> 1, or 0"):
         load_settings(config_file=props("option.stall_ratio=0.5\n"), env={})
+
+
+def test_kv_budget_options_from_each_source(props):
+    """kv_cache_bytes and gpu_memory_utilization, as serving.properties, SEQGATE_* and flags
+    name them; EngineConfig alone says what is valid, reported under the name the user wrote."""
+    default = load_settings(env={}).engine
+    assert (default.kv_cache_bytes, default.gpu_memory_utilization) == (0, 0.9)
+    path = props("option.kv_cache_bytes=1073741824\noption.gpu_memory_utilization=0.8\n")
+    e = load_settings(config_file=path, env={}).engine
+    assert (e.kv_cache_bytes, e.gpu_memory_utilization) == (2**30, 0.8)
+    e = load_settings(env={"SEQGATE_KV_CACHE_BYTES": "5000",
+                           "SEQGATE_GPU_MEMORY_UTILIZATION": "0.5"}).engine
+    assert (e.kv_cache_bytes, e.gpu_memory_utilization) == (5000, 0.5)
+    e = load_settings({"kv_cache_bytes": "7000", "gpu_memory_utilization": "0.95"},
+                      env={"SEQGATE_KV_CACHE_BYTES": "5000"}).engine
+    assert (e.kv_cache_bytes, e.gpu_memory_utilization) == (7000, 0.95)
+    with pytest.raises(SettingsError, match=r"^option.gpu_memory_utilization .*1.5.* \(0, 1\]"):
+        load_settings(config_file=props("option.gpu_memory_utilization=1.5\n"), env={})
+    with pytest.raises(SettingsError, match=r"^SEQGATE_KV_CACHE_BYTES.*>= 0"):
+        load_settings(env={"SEQGATE_KV_CACHE_BYTES": "-1"})
+    with pytest.raises(SettingsError, match=r"^--kv-cache-bytes='lots' is invalid"):
+        load_settings({"kv_cache_bytes": "lots"}, env={})
+
+
+def test_kv_budget_flags_are_on_the_command_line():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--kv-cache-bytes", "4096", "--gpu-memory-utilization", "0.7"])
+    e = load_settings(args, env={}).engine
+    assert (e.kv_cache_bytes, e.gpu_memory_utilization) == (4096, 0.7)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine import JobHandle
+from engine import Engine, EngineConfig, JobHandle, LoadedModel, SamplingParams
+from engine.kv.budget import PREFIX_CACHE_SHARE, kv_bytes_per_token
 from engine.model import llama_layers as lean
 
 SENTENCES = [
@@ -63,3 +64,37 @@ def collect(handle: JobHandle) -> dict[int, dict]:
         if d.finish_reason:
             s["finish"] = d.finish_reason
     return seqs
+
+
+BUDGET_JOBS, BUDGET_NEW_TOKENS = 32, 12
+
+
+def budget_workload(tokenizer) -> list[list[int]]:
+    """32 prompts of about 10 to 350 tokens, for runs under a KV budget."""
+    sizes = [0, 1, 2, 4, 8, 16, 20, 3, 12, 6]
+    return [prompt_of(tokenizer, sizes[i % len(sizes)], f"what happens in part {i}?")
+            if sizes[i % len(sizes)] else tokenizer.encode(f"Hi {i}!")
+            for i in range(BUDGET_JOBS)]
+
+
+def eight_rows_budget(loaded: LoadedModel, prompts: list[list[int]]) -> int:
+    """A KV budget (kv_cache_bytes) whose rolling-batch share holds 8 rows of the longest of
+    `prompts` with BUDGET_NEW_TOKENS new tokens."""
+    per_token = kv_bytes_per_token(loaded.model.config, loaded.dtype)
+    batch = 8 * max(len(p) + BUDGET_NEW_TOKENS for p in prompts) * per_token
+    return int(batch / (1 - PREFIX_CACHE_SHARE)) + 1
+
+
+def unbudgeted_outputs(loaded: LoadedModel, prompts: list[list[int]]) -> list[dict]:
+    """Greedy outputs of `prompts` under the automatic KV budget (far from binding) and a
+    batch as large as the workload."""
+    eng = Engine(EngineConfig(max_rolling_batch_size=len(prompts)), loaded=loaded)
+    eng.start(background=False)
+    try:
+        handles = [eng.submit(p, SamplingParams(strategy="greedy",
+                                                max_new_tokens=BUDGET_NEW_TOKENS))
+                   for p in prompts]
+        eng.run_until_idle()
+    finally:
+        eng.stop(drain=False)
+    return [collect(h)[0] for h in handles]
