@@ -740,12 +740,42 @@ def section_http(c: Check) -> dict:
 
 
 def section_memory(c: Check) -> dict:
-    """The device memory budget and out-of-memory recovery (issue 33, points 2 and 4)."""
-    from engine import EngineConfig
-
-    if not hasattr(EngineConfig, "kv_cache_bytes"):
-        return {"built": False, "note": "the KV budget and out-of-memory preemption are not built"}
-    return {"built": True}
+    """The KV budget: the one the engine sizes for itself on this device (on CUDA from
+    gpu_memory_utilization after a warm-up forward), then a budget that holds 8 of 32 concurrent
+    greedy requests: all finish, their outputs equal an unbudgeted run, and the slabs' peak
+    stays within the batch's share. (Out-of-memory recovery is not built yet.)"""
+    dtype = "fp32"
+    loaded = c.loaded(dtype)
+    auto = c.engine(dtype)
+    sized = auto.kv_budget
+    out = {"auto_budget_mib": round(sized.total / 2**20) if sized else None,
+           "auto_rows": auto.config.batch_rows,
+           "oom_recovery": "not built"}
+    release(auto)
+    n_tokens = 8 if c.quick else 32
+    prompts = c.prompts(8 if c.quick else 32, loaded.tokenizer)
+    reserve = max(len(p) for p in prompts) + n_tokens
+    per_token = sized.per_token if sized else None
+    if per_token is None:
+        return {**out, "ok": False, "error": "no KV size per token for this model"}
+    rows = 2 if c.quick else 8
+    budget = rows * reserve * per_token  # no prefix cache here: the batch gets it all
+    runs = {}
+    for name, extra in (("unbudgeted", {}), ("budgeted", {"kv_cache_bytes": budget})):
+        eng = c.engine(dtype, max_rolling_batch_size=len(prompts), prompt_cache_bytes=0, **extra)
+        handles = [eng.submit(p, greedy(n_tokens)) for p in prompts]
+        stats = eng.run_until_idle()
+        runs[name] = ([drain(h)[0]["tokens"] for h in handles], stats,
+                      eng.kv_budget.batch if eng.kv_budget else None)
+        release(eng)
+    (free, _, _), (held, held_stats, batch_limit) = runs["unbudgeted"], runs["budgeted"]
+    peak = max(s.kv_bytes for s in held_stats)
+    most_rows = max(s.decode_rows for s in held_stats)
+    equal = free == held
+    return {**out, "budget_mib": round(budget / 2**20, 1), "batch_limit_mib":
+            round(batch_limit / 2**20, 1), "peak_kv_mib": round(peak / 2**20, 1),
+            "most_rows_decoding": most_rows, "requests": len(prompts),
+            "outputs_equal_unbudgeted": equal, "ok": equal and peak <= batch_limit}
 
 
 def section_tests(c: Check) -> dict:

@@ -31,6 +31,8 @@ def test_cpu_dry_run_passes_offline(tmp_path):
     assert sections["features"]["grammar_valid_json"]
     assert sections["throughput"]["rows_4"]["tokens"] == 32
     assert sections["http"]["stream_chunks"] > 1
+    memory = sections["memory"]
+    assert memory["outputs_equal_unbudgeted"] and memory["peak_kv_mib"] <= memory["batch_limit_mib"]
 
 
 def test_margin_rule_tells_near_ties_from_wrong_tokens(tiny_model):
