@@ -780,6 +780,8 @@ def section_memory(c: Check) -> dict:
 
 def section_tests(c: Check) -> dict:
     """The suite's `gpu` tests (tests/engine/test_cuda.py), in this process."""
+    if not c.on_cuda:
+        return {"skipped": "the gpu tests need a CUDA device"}
     import pytest
 
     class Tally:
