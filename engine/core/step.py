@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -40,8 +40,13 @@ from engine.sched.caching import CachePolicy
 from engine.sched.scheduler import ALONE_TOKENS, Scheduler, StepPlan
 from engine.sched.step_cost import StepCost
 
-if TYPE_CHECKING:
-    from engine.distributed.tensor_parallel import RankGroup
+
+class Ranks(Protocol):
+    """What the step needs of a tensor-parallel rank group (engine.distributed's RankGroup, which
+    sits above the step): agreeing on a value every rank computed."""
+
+    def least(self, value: int) -> int: ...
+
 
 log = logging.getLogger("seqgate.engine")
 
@@ -50,7 +55,7 @@ class EngineCore:
     """The seq-scheduler's step over a loaded model (see the module docstring)."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel,
-                 ranks: RankGroup | None = None):
+                 ranks: Ranks | None = None):
         self.config = config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -86,7 +91,7 @@ class EngineCore:
         self._stats = EngineStats()
         self._listeners: list[Callable[[StepStats], None]] = []
 
-    def _kv_budget(self, ranks: RankGroup | None) -> KvBudget | None:
+    def _kv_budget(self, ranks: Ranks | None) -> KvBudget | None:
         """The KV budget (engine.kv.budget): `kv_cache_bytes`, or what this device leaves;
         the least of the ranks' under tensor parallelism, so that they admit alike. None where
         the model's config does not give its KV shape (rows are then admitted by count)."""
