@@ -117,16 +117,21 @@ def jsonlines_server(gateway_engine) -> Iterator[LiveServer]:
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def tiny_server(smollm2) -> Iterator[LiveServer]:
-    config = EngineConfig(max_rolling_batch_size=1, job_queue_size=0)
-    engine = Engine(config, loaded=smollm2)
+def own_engine_server(loaded, config: EngineConfig) -> Iterator[LiveServer]:
+    """A server over an engine of its own with `config` (for a fixture to yield from)."""
+    engine = Engine(config, loaded=loaded)
     engine.start()
     srv = start_server(create_app(Settings(server=ServerSettings(), engine=config),
                                   engine=engine))
     yield srv
     srv.stop()
     engine.stop(drain=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(smollm2) -> Iterator[LiveServer]:
+    yield from own_engine_server(smollm2, EngineConfig(max_rolling_batch_size=1,
+                                                       job_queue_size=0))
 
 
 @pytest.fixture(scope="session")

@@ -11,10 +11,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.factory import create_app
-from app.settings import ServerSettings, Settings
-from engine import Engine, EngineConfig
-from tests.app.conftest import LiveServer, start_server
+from engine import EngineConfig
+from tests.app.conftest import LiveServer, own_engine_server
 from tests.engine.helpers import (
     BUDGET_NEW_TOKENS,
     budget_workload,
@@ -34,14 +32,8 @@ def metric(srv: LiveServer, name: str) -> float:
 @pytest.fixture(scope="module")
 def budget_server(smollm2) -> Iterator[LiveServer]:
     budget = eight_rows_budget(smollm2, budget_workload(smollm2.tokenizer))
-    config = EngineConfig(max_rolling_batch_size=32, kv_cache_bytes=budget)
-    engine = Engine(config, loaded=smollm2)
-    engine.start()
-    srv = start_server(create_app(Settings(server=ServerSettings(), engine=config),
-                                  engine=engine))
-    yield srv
-    srv.stop()
-    engine.stop(drain=False)
+    yield from own_engine_server(smollm2, EngineConfig(max_rolling_batch_size=32,
+                                                       kv_cache_bytes=budget))
 
 
 def test_32_concurrent_requests_within_a_budget_of_8_rows(smollm2, budget_server):
