@@ -109,3 +109,20 @@ def _run_unbudgeted(loaded: LoadedModel, prompts: list[list[int]]) -> list[dict]
     finally:
         eng.stop(drain=False)
     return [collect(h)[0] for h in handles]
+
+
+def count_slab_columns(monkeypatch) -> list[int]:
+    """Under the device slab policy (memory taken at allocation; here on the CPU), the column
+    capacity of every slab the batch allocates, in order."""
+    import engine.kv.batch as batch_module
+
+    sizes: list[int] = []
+    real = batch_module.new_slabs
+
+    def counting(like, shapes):
+        sizes.append(shapes[0][0][2])
+        return real(like, shapes)
+
+    monkeypatch.setattr(batch_module, "pages_on_write", lambda device: False)
+    monkeypatch.setattr(batch_module, "new_slabs", counting)
+    return sizes

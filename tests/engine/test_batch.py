@@ -22,6 +22,7 @@ from engine.model.decode_inputs import DecodeFeed
 from engine.model.packed_forward import Group
 from engine.request.job import Candidates, Job, Sequence
 from engine.request.sampling_params import SamplingParams
+from tests.engine.helpers import count_slab_columns
 
 LAYERS, HEADS, DIM = 3, 2, 4
 
@@ -279,17 +280,7 @@ def test_decode_steps_on_a_device_move_the_slab_log_n_times(monkeypatch):
     """A slab under the device policy, grown one column per decode step as the runner does
     (`reserve` before each forward): 2,000 steps past the reservation move it a handful of
     times, each move at least doubling its columns (GROWTH_COLUMNS alone: every 64 steps)."""
-    import engine.kv.batch as batch_module
-
-    sizes = []
-    real = batch_module.new_slabs
-
-    def counting(like, shapes):
-        sizes.append(shapes[0][0][2])
-        return real(like, shapes)
-
-    monkeypatch.setattr(batch_module, "pages_on_write", lambda device: False)
-    monkeypatch.setattr(batch_module, "new_slabs", counting)
+    sizes = count_slab_columns(monkeypatch)
     steps = 2000 + CHARGED_RESERVED_COLUMNS
     rows = _rows([9, 5], steps)
     sb = build_sub_batch(rows, [row(9, 0), row(5, 1)])

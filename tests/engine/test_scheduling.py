@@ -15,7 +15,7 @@ import engine.sample.decoder as decoder_module
 from engine import Engine, EngineConfig, EngineStopped, QueueFull, SamplingParams
 from engine.request.job import Job, SeqStatus, Sequence
 from engine.sched.scheduler import Scheduler
-from tests.engine.helpers import collect
+from tests.engine.helpers import collect, count_slab_columns
 
 
 def params(n_tokens: int, strategy: str = "greedy", **kw) -> SamplingParams:
@@ -47,15 +47,7 @@ def test_decoding_on_a_device_moves_a_slab_log_n_times(tiny_model, make_engine, 
     job within CHARGED_RESERVED_COLUMNS gets its whole budget when its row joins and its slab
     never moves; past it the slab doubles when full, so n decode steps move it O(log n) times,
     not every GROWTH_COLUMNS steps. Counted at the slab allocations the batch makes."""
-    sizes: list[int] = []
-    real = batch_module.new_slabs
-
-    def counting(like, shapes):
-        sizes.append(shapes[0][0][2])
-        return real(like, shapes)
-
-    monkeypatch.setattr(batch_module, "pages_on_write", lambda device: False)
-    monkeypatch.setattr(batch_module, "new_slabs", counting)
+    sizes = count_slab_columns(monkeypatch)
     eng = make_engine(tiny_model, max_rolling_batch_size=4)
     short = eng.submit([1, 2, 3, 4], params(300))
     eng.run_until_idle()
