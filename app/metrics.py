@@ -68,6 +68,10 @@ class _EngineCollector(Collector):
              s.grammar_masked_tokens),
             ("seqgate_grammar_mask_seconds", "Engine time spent computing and applying grammar "
              "masks", s.grammar_mask_seconds),
+            ("seqgate_out_of_memory_steps", "Engine steps an allocation failure undid (the "
+             "engine went on)", s.out_of_memory_steps),
+            ("seqgate_preemptions", "Jobs put back on the queue to be recomputed after an "
+             "allocation failure", s.preemptions),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

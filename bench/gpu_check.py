@@ -743,14 +743,14 @@ def section_memory(c: Check) -> dict:
     """The KV budget: the one the engine sizes for itself on this device (on CUDA from
     gpu_memory_utilization after a warm-up forward), then a budget that holds 8 of 32 concurrent
     greedy requests: all finish, their outputs equal an unbudgeted run, and the slabs' peak
-    stays within the batch's share. (Out-of-memory recovery is not built yet.)"""
+    stays within the batch's share; then the same requests where memory runs out (`oom_run`):
+    all finish, by recompute preemption, with the unbudgeted run's outputs."""
     dtype = "fp32"
     loaded = c.loaded(dtype)
     auto = c.engine(dtype)
     sized = auto.kv_budget
     out = {"auto_budget_mib": round(sized.total / 2**20) if sized else None,
-           "auto_rows": auto.config.batch_rows,
-           "oom_recovery": "not built"}
+           "auto_rows": auto.config.batch_rows}
     release(auto)
     n_tokens = 8 if c.quick else 32
     prompts = c.prompts(8 if c.quick else 32, loaded.tokenizer)
@@ -772,10 +772,68 @@ def section_memory(c: Check) -> dict:
     peak = max(s.kv_bytes for s in held_stats)
     most_rows = max(s.decode_rows for s in held_stats)
     equal = free == held
+    oom = oom_run(c, dtype, prompts, n_tokens, free, len(prompts) * reserve * per_token)
     return {**out, "budget_mib": round(budget / 2**20, 1), "batch_limit_mib":
             round(batch_limit / 2**20, 1), "peak_kv_mib": round(peak / 2**20, 1),
             "most_rows_decoding": most_rows, "requests": len(prompts),
-            "outputs_equal_unbudgeted": equal, "ok": equal and peak <= batch_limit}
+            "outputs_equal_unbudgeted": equal, "out_of_memory": oom,
+            "ok": equal and peak <= batch_limit and oom["ok"]}
+
+
+def oom_run(c: Check, dtype: str, prompts: list[list[int]], n_tokens: int,
+            want: list[list[int]], kv_need: int) -> dict:
+    """The requests again, admitted as if memory were plenty (a KV budget far above the
+    device's) where it is not: on CUDA the caching allocator is capped
+    (`set_per_process_memory_fraction`) at what is in use plus a third of the KV the batch would
+    take, so allocations fail for real; on the CPU a KV write fails at chosen steps instead.
+    Every request must finish without error, by recompute preemption (`seqgate_preemptions`),
+    with the unbudgeted run's tokens."""
+    from engine.kv.slabs import SlabLayer
+
+    eng = c.engine(dtype, max_rolling_batch_size=len(prompts), prompt_cache_bytes=0,
+                   kv_cache_bytes=64 * 2**30)
+    real_update = SlabLayer.update
+    out: dict = {}
+    index = None
+    try:
+        if c.on_cuda:
+            torch.cuda.synchronize(c.device)
+            torch.cuda.empty_cache()
+            total = torch.cuda.get_device_properties(c.device).total_memory
+            cap = torch.cuda.memory_reserved(c.device) + kv_need // 3
+            index = c.device.index if c.device.index is not None else torch.cuda.current_device()
+            torch.cuda.set_per_process_memory_fraction(cap / total, index)
+            out["allocator_cap_mib"] = round(cap / 2**20)
+        else:
+            fail_at = {2, 5}
+
+            def update(layer, *args, **kwargs):  # the third write of a chosen step fails
+                writes = out.setdefault("writes", {})
+                step = eng.scheduler.step
+                writes[step] = writes.get(step, 0) + 1
+                if step in fail_at and writes[step] == 3:
+                    raise torch.OutOfMemoryError("out of memory (injected on the CPU)")
+                return real_update(layer, *args, **kwargs)
+
+            SlabLayer.update = update
+        handles = [eng.submit(p, greedy(n_tokens)) for p in prompts]
+        t0 = time.perf_counter()
+        eng.run_until_idle()
+        seconds = time.perf_counter() - t0
+        got = [drain(h)[0] for h in handles]
+    finally:
+        SlabLayer.update = real_update
+        out.pop("writes", None)
+        if index is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0, index)
+    stats = eng.stats()
+    release(eng)
+    errors = sum(g["finish"] == "error" for g in got)
+    equal = sum(g["tokens"] == w for g, w in zip(got, want))
+    return {**out, "seconds": round(seconds, 2), "out_of_memory_steps": stats.out_of_memory_steps,
+            "preemptions": stats.preemptions, "errors": errors, "equal_to_unbudgeted": equal,
+            "requests": len(prompts),
+            "ok": stats.preemptions > 0 and errors == 0 and equal == len(prompts)}
 
 
 def section_tests(c: Check) -> dict:

@@ -103,3 +103,12 @@ class EngineStopped(RuntimeError):
 
 class EngineUnavailable(RuntimeError):
     """The engine that was to run a job is gone (a remote replica died); retrying may succeed."""
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is an allocation failure: CUDA's (torch.OutOfMemoryError), Python's, or the
+    CPU allocator's (a RuntimeError that says so)."""
+    import torch  # here: the rest of this module is imported by the app without torch
+
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))

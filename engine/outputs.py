@@ -89,4 +89,6 @@ class EngineStats:
     peak_kv_bytes: int = 0  # the most they held after any step
     kv_budget_bytes: int = 0  # the most they may hold (the KV budget less the prefix cache's)
     prefix_cache_capacity_bytes: int = 0  # --prompt-cache-bytes, or less within the KV budget
+    out_of_memory_steps: int = 0  # steps an allocation failure undid (engine.core.step)
+    preemptions: int = 0  # jobs put back on the queue to be recomputed after one
     finished_by_reason: Counter = field(default_factory=Counter)

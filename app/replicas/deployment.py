@@ -119,6 +119,7 @@ class EngineReplica:
             "cached_tokens": s.cached_tokens, "cache_hits": s.cache_hits,
             "cache_misses": s.cache_misses, "steps": s.steps,
             "kv_budget_bytes": s.kv_budget_bytes,
+            "out_of_memory_steps": s.out_of_memory_steps, "preemptions": s.preemptions,
             "prefix_cache_capacity_bytes": s.prefix_cache_capacity_bytes,
             "finished": {str(k): v for k, v in s.finished_by_reason.items()},
         }

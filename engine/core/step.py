@@ -7,28 +7,20 @@ parallel follower, or a test that calls `step()` itself.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 
 from engine.config import EngineConfig
 from engine.core.handle import END
-from engine.errors import ConfigError
+from engine.core.sizing import Ranks, kv_budget, resolved
+from engine.errors import out_of_memory
 from engine.kv.batch import SubBatch
-from engine.kv.budget import (
-    AUTO_MAX_ROWS,
-    KvBudget,
-    cpu_budget,
-    cuda_budget,
-    kv_bytes_per_token,
-    mem_available,
-)
 from engine.kv.radix_cache import RadixPrefixCache
 from engine.kv.rolling_batch import RollingBatch
+from engine.kv.slabs import cache_lengths, rewind
 from engine.model.loader import LoadedModel
 from engine.model.prepare import prepare
 from engine.model.runner import Chunk, ModelRunner
@@ -37,16 +29,9 @@ from engine.request.job import Job
 from engine.sample.decoder import TokenDecoder, fail
 from engine.sample.grammar import GrammarCompiler
 from engine.sched.caching import CachePolicy
+from engine.sched.preemption import lost_rows, victims
 from engine.sched.scheduler import ALONE_TOKENS, Scheduler, StepPlan
 from engine.sched.step_cost import StepCost
-
-
-class Ranks(Protocol):
-    """What the step needs of a tensor-parallel rank group (engine.distributed's RankGroup, which
-    sits above the step): agreeing on a value every rank computed."""
-
-    def least(self, value: int) -> int: ...
-
 
 log = logging.getLogger("seqgate.engine")
 
@@ -69,8 +54,10 @@ class EngineCore:
         self.prepacked_layers = prepared.prepacked_layers
         self.lean_layers = prepared.lean_layers
         self.decode_kernel_layers = prepared.decode_kernel_layers
-        self.kv_budget = self._kv_budget(ranks)
-        self.config = config = self._resolved(config)
+        # Ranks in lock step cannot each undo a step alone: out of memory fails them all.
+        self._lockstep = ranks is not None
+        self.kv_budget = kv_budget(config, loaded, self.runner.dtype, ranks, self._warm_up)
+        self.config = config = resolved(config, self.kv_budget, loaded.device)
         self.prefix_cache = RadixPrefixCache(
             config.prompt_cache_bytes if self.kv_budget is None else self.kv_budget.prefix_cache)
         self.caching = CachePolicy(self.prefix_cache)
@@ -91,45 +78,6 @@ class EngineCore:
         self._stats = EngineStats()
         self._listeners: list[Callable[[StepStats], None]] = []
 
-    def _kv_budget(self, ranks: Ranks | None) -> KvBudget | None:
-        """The KV budget (engine.kv.budget): `kv_cache_bytes`, or what this device leaves;
-        the least of the ranks' under tensor parallelism, so that they admit alike. None where
-        the model's config does not give its KV shape (rows are then admitted by count)."""
-        config = self.config
-        per_token = kv_bytes_per_token(self.loaded.model.config, self.runner.dtype,
-                                       config.tensor_parallel_degree)
-        total = config.kv_cache_bytes or self._free_memory()
-        if ranks is not None:
-            total = ranks.least(total if total is not None else -1)
-            total = None if total < 0 else total
-        if per_token is None or total is None:
-            log.warning("no KV budget (the model's KV shape or the memory available is "
-                        "unknown): jobs are admitted by max_rolling_batch_size alone")
-            return None
-        if total < per_token:
-            auto_cuda = not config.kv_cache_bytes and self.loaded.device.type == "cuda"
-            name = "gpu_memory_utilization" if auto_cuda else "kv_cache_bytes"
-            raise ConfigError(name, getattr(config, name),
-                              f"a KV budget of at least one token ({per_token} bytes); "
-                              f"{total} bytes are left after loading the model")
-        budget = KvBudget.split(total, per_token, config.prompt_cache_bytes)
-        log.info("KV budget: %.2f GiB, %d tokens for the rolling batch, %.2f GiB for the "
-                 "prefix cache", total / 2**30, budget.batch_tokens, budget.prefix_cache / 2**30)
-        return budget
-
-    def _free_memory(self) -> int | None:
-        """Bytes this device leaves for KV: on CUDA after a warm-up step, under
-        gpu_memory_utilization; on the CPU, a share of the memory available."""
-        device = self.loaded.device
-        if device.type != "cuda":
-            available = mem_available()
-            return None if available is None else \
-                cpu_budget(available, self.config.tensor_parallel_degree)
-        self._warm_up()
-        free, total = torch.cuda.mem_get_info(device)
-        # mem_get_info: it also sees the CUDA context, other processes and the cached warm-up peak.
-        return cuda_budget(total, total - free, self.config.gpu_memory_utilization)
-
     def _warm_up(self) -> None:
         """One prompt forward as long as a step's longest, so that its activations' peak is in
         use (kept by CUDA's caching allocator) when the budget is measured."""
@@ -139,17 +87,6 @@ class EngineCore:
             self.runner.prefill_chunk(Chunk(self.runner.prompt_kv(None, tokens), ids, 0,
                                             logits=True, hidden=False))
         torch.cuda.synchronize(self.loaded.device)
-
-    def _resolved(self, config: EngineConfig) -> EngineConfig:
-        """The configuration the engine runs with: on CUDA an automatic max_rolling_batch_size
-        is derived from the KV budget (`KvBudget.auto_rows`), below max_num_batched_tokens."""
-        if config.max_rolling_batch_size or self.kv_budget is None or \
-                self.loaded.device.type != "cuda":
-            return config
-        cap = AUTO_MAX_ROWS
-        if config.max_num_batched_tokens:
-            cap = min(cap, config.max_num_batched_tokens - 1)
-        return dataclasses.replace(config, max_rolling_batch_size=self.kv_budget.auto_rows(cap))
 
     def add_step_listener(self, fn: Callable[[StepStats], None]) -> None:
         self._listeners.append(fn)
@@ -200,13 +137,28 @@ class EngineCore:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         changed: dict[str, Job] = {job.job_id: job for job in plan.aborted}
-        chunks = self.runner.prepare_inputs(plan, self.batch)
-        results = self._execute(self.batch.sub_batches, chunks)
-        self._postprocess(plan, results, changed)
+        try:
+            chunks = self.runner.prepare_inputs(plan, self.batch)
+        except Exception as exc:
+            if self._lockstep or not out_of_memory(exc):
+                raise
+            held = (s for sb in self.batch.sub_batches for s in sb.seqs)
+            self._survive_out_of_memory(plan, exc, lost_rows(plan.joined, held), changed)
+        else:
+            sbs = self.batch.sub_batches
+            marks = [cache_lengths(work.cache) for work in [*sbs, *chunks]]
+            results = self._execute(sbs, chunks)
+            failed = [i for i, r in enumerate(results) if self._undoable(r)]
+            for i in failed:  # the step's other work stands; this is done again next step
+                rewind([*sbs, *chunks][i].cache, marks[i])
+            self._postprocess(plan, results, changed)
+            if failed:
+                self._survive_out_of_memory(plan, results[failed[0]], [], changed)
         self._publish(changed)
         seconds = time.perf_counter() - t0
         self.scheduler.update_from_step(plan, seconds)
-        if plan.decode_rows and not plan.chunks and plan.groups is None:
+        if plan.decode_rows and not plan.chunks and plan.groups is None and \
+                not plan.out_of_memory:
             last = self.decode_step_seconds
             self.decode_step_seconds = seconds if not last else 0.9 * last + 0.1 * seconds
         return self._record(plan, seconds)
@@ -238,18 +190,24 @@ class EngineCore:
         """Choose each decoding row's next token; advance prompts; start the finished ones."""
         sbs = self.batch.sub_batches
         for job in plan.admitted:
-            self._stats.prompt_tokens += len(job.prompt_ids)
+            if not job.preemptions:
+                self._stats.prompt_tokens += len(job.prompt_ids)
+        ran = []
         for sb, result in zip(sbs, results):
             changed.update((s.job.job_id, s.job) for s in sb.seqs)
+            if self._undoable(result):
+                continue
             if isinstance(result, Exception):
                 for s in sb.seqs:
                     fail(s, f"forward failed: {result}")
                 continue
-            self.decoder.advance(sb, result.logits, result.hidden, result.first,
-                                 result.first_host)
+            ran.append((sb, result))
+        self.decoder.advance(ran)
         for chunk, result in zip(plan.chunks, results[len(sbs):]):
             job = chunk.job
             changed[job.job_id] = job
+            if self._undoable(result):
+                continue
             if isinstance(result, Exception):
                 for s in job.seqs:
                     fail(s, f"prefill failed: {result}")
@@ -267,11 +225,43 @@ class EngineCore:
         join the decode set at the next step."""
         hidden = torch.cat(job.hidden) if job.hidden else None
         self.caching.prompt_done(job, hidden)
+        if job.decoding:  # resumed after a preemption: its rows' next tokens are chosen
+            for s in job.seqs:
+                s.kv_len = len(job.fill_ids)
+            return
         for s in job.seqs:
             s.start(self.tokenizer, self.loaded.device, hidden)
         self.decoder.choose(job.seqs, logits[None].expand(len(job.seqs), -1))
         if job.done:  # every sequence ended on its first token: it never joins
             job.release_prompt()
+
+    def _undoable(self, result) -> bool:
+        """Whether a group's result is an allocation failure this step survives (by undoing the
+        group's work and preempting a job) rather than failing the group's rows."""
+        return isinstance(result, Exception) and not self._lockstep and out_of_memory(result)
+
+    def _survive_out_of_memory(self, plan: StepPlan, exc: Exception, lost: list[Job],
+                               changed: dict[str, Job]) -> None:
+        """After an allocation failure, the step's failed work undone: the jobs that lost their
+        KV, else the newest job that can be recomputed, go back to the queue with their output
+        so far kept (engine.sched.preemption); where none can, the newest job fails."""
+        plan.out_of_memory = True
+        self._stats.out_of_memory_steps += 1
+        preempted, failed = victims(self.scheduler.jobs_by_age(), lost)
+        for job in preempted:
+            log.warning("out of memory (%s): job %s goes back to the queue", exc, job.job_id)
+            self.scheduler.preempt(job)
+        for job in failed:
+            log.warning("job %s does not fit in memory: it fails (%s)", job.job_id, exc)
+            for s in job.seqs:
+                fail(s, "out of memory: the request does not fit on this device beside the "
+                        "running ones; retry with fewer tokens (prompt or max_tokens)")
+            job.release_prompt()
+        self._stats.preemptions += len(preempted)
+        changed.update((job.job_id, job) for job in preempted + failed)
+        self.scheduler.out_of_memory()
+        if self.loaded.device.type == "cuda":
+            torch.cuda.empty_cache()  # the failed step's blocks, for the next step to reuse
 
     def fail_all(self, message: str) -> None:
         """Fail every prefilling and running job (a step failed and left their state unknown)."""

@@ -70,6 +70,25 @@ class SlabCache(Cache):
     def __init__(self, layers: list[SlabLayer]):
         super().__init__(layers=layers)
 
+def cache_lengths(cache: Cache) -> list[int]:
+    """Each layer's columns, to `rewind` a forward that fails part way."""
+    return [layer.get_seq_length() for layer in cache.layers]
+
+
+def rewind(cache: Cache, lengths: list[int]) -> None:
+    """Undo what a failed forward wrote: each layer back to `lengths` columns (the layers it
+    reached had taken the step's columns, the others had not)."""
+    for layer, n in zip(cache.layers, lengths):
+        extra = layer.get_seq_length() - n
+        if extra <= 0:
+            continue
+        if isinstance(layer, SlabLayer):
+            layer.end -= extra
+            layer._views()
+        else:
+            layer.crop(-extra)
+
+
 @dataclass
 class RowKV:
     """A row's real KV, per layer: lists of [heads, length, dim] tensors (views, not copies)."""

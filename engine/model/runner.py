@@ -140,11 +140,11 @@ class ModelRunner:
         job = chunk.job
         want_hidden = job.strategy == "contrastive"
         if job.kv is None:
-            job.kv = self.prompt_kv(job.prefix, len(job.prompt_ids))
+            job.kv = self.prompt_kv(job.prefix, len(job.fill_ids))
             if want_hidden and job.prefix is not None:
                 job.hidden = [job.prefix.hidden]
             job.prefix = None
-        return Chunk(job.kv, job.prompt_ids[chunk.start : chunk.stop], chunk.start, chunk.last,
+        return Chunk(job.kv, job.fill_ids[chunk.start : chunk.stop], chunk.start, chunk.last,
                      want_hidden)
 
     def prefill_chunk(self, chunk: Chunk) -> GroupResult:

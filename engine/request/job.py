@@ -158,6 +158,49 @@ class Job:
     prefix: PrefixEntry | None = None  # the cached prefix matched at admission, until used
     kv: Any = None  # the prompt's KV while it is prefilled: a batch-1 transformers Cache
     hidden: list[torch.Tensor] = field(default_factory=list)  # contrastive: prompt's hidden
+    # After a preemption (recompute): the tokens its row's KV held, prompt and generated,
+    # which its prefill computes again; None: the prompt alone.
+    resume_ids: list[int] | None = None
+    preemptions: int = 0
+    admitted_at: int = 0  # the scheduler's step that last admitted it
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """The tokens its prefill computes: the prompt, or what a preempted row held."""
+        return self.prompt_ids if self.resume_ids is None else self.resume_ids
+
+    @property
+    def decoding(self) -> bool:
+        """Its sequences were set up to decode (their prompt was done at least once)."""
+        return any(s.detok is not None for s in self.seqs)
+
+    def _contexts(self) -> set[tuple[int, ...]]:
+        """The generated tokens in each running row's KV (after the prompt's)."""
+        n = len(self.prompt_ids)
+        return {tuple(s.generated[: s.kv_len - n]) for s in self.seqs
+                if s.detok is not None and not s.status.finished}
+
+    @property
+    def recomputable(self) -> bool:
+        """Whether `preempt` can put it back on the queue: its running rows hold one context
+        (one sequence, or rows that have not yet fed a generated token), recomputed by one
+        prefill."""
+        return len(self._contexts()) <= 1
+
+    def preempt(self) -> None:
+        """Drop its KV so that it is prefilled again (recompute preemption): a decoding row
+        resumes from its prompt and generated tokens with its decoding state (detokenizer,
+        stops, grammar, generator, pending token) as it was, so no output is lost or repeated.
+        """
+        self.release_prompt()
+        self.computed = 0
+        self.preemptions += 1
+        if self.decoding:
+            (context,) = self._contexts() or {()}
+            self.resume_ids = self.prompt_ids + list(context)
+        else:
+            for s in self.seqs:
+                s.status = SeqStatus.WAITING
 
     @property
     def done(self) -> bool:

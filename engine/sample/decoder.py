@@ -13,6 +13,7 @@ import logging
 import torch
 
 from engine.kv.batch import SubBatch
+from engine.model.runner import GroupResult
 from engine.outputs import TokenLogprob
 from engine.request.job import Candidates, SeqStatus, Sequence
 from engine.request.sampling_params import CONTRASTIVE_DEFAULT_K
@@ -75,26 +76,30 @@ class TokenDecoder:
             if tok is not None and not s.status.finished:
                 self.accept(s, tok, lp)
 
-    def advance(self, sb: SubBatch, logits: torch.Tensor, hidden: torch.Tensor | None,
-                first: torch.Tensor, first_host: list[int]) -> None:
-        """After a sub-batch's forward (`logits` and `hidden` of its fed tokens, each row's first
-        at `first`, also given on the host): contrastive rows choose among the candidates they
-        fed and keep that one's K/V, hidden state and logits; then every row still running
-        chooses (or proposes) its next token from its kept logits."""
-        slots = self.pick(sb.seqs, hidden, first)
-        sb.commit(slots)
-        kept = [f + s for f, s in zip(first_host, slots)]
-        if hidden is not None:
-            for s, at in zip(sb.seqs, kept):
-                if s.hidden is not None:
-                    s.hidden = torch.cat([s.hidden, hidden[at : at + 1]])
-        live = [i for i, s in enumerate(sb.seqs) if not s.status.finished]
-        if live:
-            rows = [kept[i] for i in live]
+    def advance(self, groups: list[tuple[SubBatch, GroupResult]]) -> None:
+        """After the step's forward, for each sub-batch and its result (logits and hidden states
+        of its fed tokens, each row's first at `first`, also on the host): contrastive rows
+        choose among the candidates they fed and keep that one's K/V, hidden state and logits;
+        then every row still running, in every sub-batch, chooses (or proposes) its next token
+        in one `choose`: one transfer of the step's tokens to the host."""
+        seqs, rows = [], []
+        for sb, result in groups:
+            slots = self.pick(sb.seqs, result.hidden, result.first)
+            sb.commit(slots)
+            kept = [f + s for f, s in zip(result.first_host, slots)]
+            if result.hidden is not None:
+                for s, at in zip(sb.seqs, kept):
+                    if s.hidden is not None:
+                        s.hidden = torch.cat([s.hidden, result.hidden[at : at + 1]])
+            live = [i for i, s in enumerate(sb.seqs) if not s.status.finished]
+            seqs += [sb.seqs[i] for i in live]
             # Every row fed one token and runs on (the usual step): its logits as they are,
             # not a copy of [rows, vocab].
-            self.choose([sb.seqs[i] for i in live],
-                        logits if rows == list(range(len(logits))) else logits[rows])
+            picked = [kept[i] for i in live]
+            logits = result.logits
+            rows.append(logits if picked == list(range(len(logits))) else logits[picked])
+        if seqs:
+            self.choose(seqs, rows[0] if len(rows) == 1 else torch.cat(rows))
 
     def _choose_rows(self, seqs: list[Sequence], logits: torch.Tensor):
         logits = apply_penalties(logits, seqs, self.vocab_size)
@@ -105,7 +110,8 @@ class TokenDecoder:
         strategies = [s.job.strategy for s in seqs]
         greedy = [i for i, st in enumerate(strategies) if st == "greedy"]
         if greedy:
-            picks = logits[greedy].argmax(dim=-1).tolist()
+            rows = logits if len(greedy) == len(seqs) else logits[to_device(greedy, logits.device)]
+            picks = rows.argmax(dim=-1).tolist()
             for i, t in zip(greedy, picks):
                 tokens[i] = t
         sample = [i for i, st in enumerate(strategies) if st == "sample"]

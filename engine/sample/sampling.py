@@ -80,7 +80,8 @@ def block_stop_tokens(
         return logits
     at = to_device(list(zip(*pairs)), logits.device)
     logits = logits.clone()
-    logits[at[0], at[1]] = float("-inf")
+    # The value made where the logits are: a Python float would be copied from the host.
+    logits.index_put_((at[0], at[1]), torch.full((), float("-inf"), device=logits.device))
     return logits
 
 

@@ -26,7 +26,7 @@ class CachePolicy:
         """A prompt's KV (and its hidden states, for contrastive search) is complete."""
         if self.cache.capacity_bytes:
             row = row_from_cache(job.kv)
-            self.cache.insert(job.prompt_ids, PrefixEntry(row.keys, row.values, hidden,
+            self.cache.insert(job.fill_ids, PrefixEntry(row.keys, row.values, hidden,
                                                           row.length))
 
     def step_done(self, sub_batches: list[SubBatch]) -> None:

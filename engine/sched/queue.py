@@ -19,7 +19,8 @@ class JobQueue:
 
     `peek` names the job to admit next: the oldest (policy "fifo"), or the one with the lowest
     `priority` or the shortest prompt (ties: the oldest), except that a job waiting `age_limit`
-    seconds or more goes first: no job starves behind a stream of preferred ones.
+    seconds or more goes first: no job starves behind a stream of preferred ones. A preempted job
+    (`requeue`) goes first too.
     """
 
     def __init__(self, limit: int, policy: str = "fifo", age_limit: float = 10.0):
@@ -38,12 +39,19 @@ class JobQueue:
                 raise QueueFull(self.limit)
             self._jobs.append(job)
 
+    def requeue(self, job: Job) -> None:
+        """Put a preempted job first, whatever the limit: it was admitted once and must not
+        be dropped."""
+        with self._lock:
+            self._jobs.appendleft(job)
+
     def peek(self) -> Job | None:
         with self._lock:
             if not self._jobs:
                 return None
             oldest = self._jobs[0]
-            if self.policy == "fifo" or time.monotonic() - oldest.arrival >= self.age_limit:
+            if self.policy == "fifo" or oldest.preemptions or \
+                    time.monotonic() - oldest.arrival >= self.age_limit:
                 return oldest
             if self.policy == "priority":
                 return min(self._jobs, key=lambda j: j.params.priority)

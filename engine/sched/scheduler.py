@@ -27,6 +27,7 @@ from engine.kv.budget import KvBudget
 from engine.kv.radix_cache import RadixPrefixCache
 from engine.request.job import Job, SeqStatus, Sequence
 from engine.sched.partition import partition_by_sparsity, sparsity
+from engine.sched.preemption import MemoryPressure
 from engine.sched.queue import JobQueue
 from engine.sched.step_cost import StepCost
 
@@ -49,7 +50,7 @@ class PrefillChunk:
     @property
     def last(self) -> bool:
         """The chunk completes the prompt: its last position's logits give the first token."""
-        return self.stop == len(self.job.prompt_ids)
+        return self.stop == len(self.job.fill_ids)
 
 
 @dataclass
@@ -71,6 +72,7 @@ class StepPlan:
     # Bytes the batch's slabs may hold this step: the KV budget's less the prompts being
     # prefilled (their KV is outside the batch); None: no KV budget.
     kv_limit: int | None = None
+    out_of_memory: bool = False  # set by the step: an allocation failure undid work in it
 
     @property
     def prefill_tokens(self) -> int:
@@ -97,6 +99,8 @@ class Scheduler:
         self.layout: list[list[Sequence]] = []  # the decode rows' groups, as last planned
         self.step = 0
         self._abort_ids: dict[str, int] = {}  # job id -> the step during which it was asked
+        self.pressure = MemoryPressure(config.batch_rows)  # admission after out of memory
+        self._relayout = False  # rows left the batch outside a plan (preempted)
         self._abort_lock = threading.Lock()
 
     # -- called from any thread -------------------------------------------------------------
@@ -127,11 +131,13 @@ class Scheduler:
         plan.evicted = [s for s in self.running if s.status.finished]
         self.running = [s for s in self.running if not s.status.finished]
         # Jobs whose last chunk ran in the previous step decode from this one.
-        for job in [j for j in self.prefilling if j.computed == len(j.prompt_ids)]:
+        for job in [j for j in self.prefilling if j.computed == len(j.fill_ids)]:
             self.prefilling.remove(job)
             plan.joined.append(job)
             self.running.extend(s for s in job.seqs if not s.status.finished)
-        if plan.evicted or plan.joined:  # evicted includes running rows aborted just now
+        # Evicted includes running rows aborted just now; preempted rows left since last step.
+        if plan.evicted or plan.joined or self._relayout:
+            self._relayout = False
             plan.groups = self._regroup(plan)
             self.layout = plan.groups
         plan.decode_rows = len(self.running)
@@ -149,7 +155,7 @@ class Scheduler:
             plan.admitted.append(job)
             plan.prefill_units += self._chunk(plan, job, budget - plan.prefill_units)
         if self.kv is not None:
-            prompts = sum(len(j.prompt_ids) for j in self.prefilling)
+            prompts = sum(len(j.fill_ids) for j in self.prefilling)
             plan.kv_limit = self.kv.batch - prompts * self.kv.per_token
         return plan
 
@@ -159,7 +165,7 @@ class Scheduler:
         (`KvBudget.admits`), which keeps the batch's slabs within the budget whatever the
         partition (engine.kv.rolling_batch)."""
         rows = self.slots_taken() + job.params.n
-        if rows > self.config.batch_rows:
+        if rows > self.config.batch_rows or not self.pressure.admits(rows, self.slots_taken()):
             return False
         if self.kv is None:
             return True
@@ -204,15 +210,19 @@ class Scheduler:
     def _admit(self, job: Job) -> None:
         """Start a job's prefill from the longest cached prefix of its prompt (at least one
         token is left to compute: its logits give the first new token)."""
-        ids = job.prompt_ids
+        ids = job.fill_ids
         cache = self.prefix_cache
         if cache is not None and cache.capacity_bytes:
             job.prefix = cache.match(ids, len(ids) - 1, need_hidden=job.strategy == "contrastive",
                                      min_tokens=self.config.prompt_cache_min_tokens)
         if job.prefix is not None:
-            job.cached_tokens = job.computed = job.prefix.length
+            job.computed = job.prefix.length
+            if job.resume_ids is None:  # a resumed job reports what its first admission found
+                job.cached_tokens = job.prefix.length
         for s in job.seqs:
-            s.status = SeqStatus.RUNNING
+            if not s.status.finished:
+                s.status = SeqStatus.RUNNING
+        job.admitted_at = self.step
         self.prefilling.append(job)
 
     def chunk_cost(self, start: int, tokens: int) -> int:
@@ -223,7 +233,7 @@ class Scheduler:
 
     def _chunk(self, plan: StepPlan, job: Job, budget: int) -> int:
         """Plan the longest chunk of `job`'s prompt that fits `budget`; returns its cost."""
-        start, left = job.computed, len(job.prompt_ids) - job.computed
+        start, left = job.computed, len(job.fill_ids) - job.computed
         # The cost grows with the chunk's length: the longest that fits, and at least one token.
         fits = bisect.bisect_right(range(1, left + 1), budget,
                                    key=lambda n: self.chunk_cost(start, n))
@@ -257,11 +267,36 @@ class Scheduler:
         return list(jobs.values())
 
     def update_from_step(self, plan: StepPlan, seconds: float) -> None:
-        """Learn from a finished step: its cost, for the stall bound. Steps that laid the batch
-        out anew carry a cost of their own (copies of KV) that neither rows nor prompt units
-        explain, so they are not counted."""
+        """Learn from a finished step: its cost, for the stall bound (steps that laid the batch
+        out anew carry a cost of their own, copies of KV, that neither rows nor prompt units
+        explain, so they are not counted); and ease an out-of-memory cap. A step that ran out
+        of memory teaches nothing."""
+        if plan.out_of_memory:
+            return
         if self.cost is not None and plan.groups is None:
             self.cost.observe(plan.decode_rows, plan.prefill_units, seconds)
+        self.pressure.step_done()
+
+    def jobs_by_age(self) -> list[Job]:
+        """The prefilling and running jobs, most recently admitted first."""
+        jobs = {s.job.job_id: s.job for s in self.running}
+        jobs.update((j.job_id, j) for j in self.prefilling)
+        return sorted(jobs.values(), key=lambda j: j.admitted_at, reverse=True)
+
+    def preempt(self, job: Job) -> None:
+        """Take `job` out of the schedule and put it first in the queue, to be prefilled
+        again (`Job.preempt`); its rows leave the batch at the next step's layout."""
+        if job in self.prefilling:
+            self.prefilling.remove(job)
+        before = len(self.running)
+        self.running = [s for s in self.running if s.job is not job]
+        self._relayout = self._relayout or len(self.running) != before
+        job.preempt()
+        self.queue.requeue(job)
+
+    def out_of_memory(self) -> None:
+        """A step ran out of memory: admission holds at the rows now taken, for a while."""
+        self.pressure.failed(self.slots_taken())
 
     def _regroup(self, plan: StepPlan) -> list[list[Sequence]]:
         """The decode rows' sub-batches after rows left or joined.
@@ -272,7 +307,8 @@ class Scheduler:
         sparsity exceeds `max_sparsity`, or a row has no group, the rows are partitioned anew
         by max-sparsity thresholding.
         """
-        groups = [[s for s in g if not s.status.finished] for g in self.layout]
+        live = set(self.running)
+        groups = [[s for s in g if s in live] for g in self.layout]
         groups = [g for g in groups if g]
         joining = sorted((s for job in plan.joined for s in job.seqs if not s.status.finished),
                          key=lambda s: -s.kv_len)
