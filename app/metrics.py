@@ -50,6 +50,9 @@ class _EngineCollector(Collector):
                                 "KV may hold: the KV budget (--kv-cache-bytes or "
                                 "--gpu-memory-utilization) less the prefix cache's; 0: none",
                                 value=s.kv_budget_bytes)
+        rate = s.spec_accepted_tokens / s.spec_proposed_tokens if s.spec_proposed_tokens else 0.0
+        yield GaugeMetricFamily("seqgate_spec_acceptance_rate", "Share of the draft tokens fed "
+                                "that verification kept, since start (0: none fed)", value=rate)
         counters = (
             ("seqgate_engine_steps", "Engine steps run", s.steps),
             ("seqgate_prompt_tokens", "Prompt tokens submitted to the engine", s.prompt_tokens),
@@ -72,6 +75,10 @@ class _EngineCollector(Collector):
              "engine went on)", s.out_of_memory_steps),
             ("seqgate_preemptions", "Jobs put back on the queue to be recomputed after an "
              "allocation failure", s.preemptions),
+            ("seqgate_spec_proposed_tokens", "Draft tokens fed for verification (speculative "
+             "decoding by prompt lookup)", s.spec_proposed_tokens),
+            ("seqgate_spec_accepted_tokens", "Draft tokens verification kept",
+             s.spec_accepted_tokens),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

@@ -246,6 +246,12 @@ OPTIONS: tuple[Option, ...] = (
            "--decode-attention",
            "one-query attention on bf16 CPU models: auto (seqgate's kernel, compiled for this "
            "CPU on first use, where it builds) | sdpa (PyTorch's)"),
+    Option("num_speculative_tokens", "engine", _int(0),
+           ("option.num_speculative_tokens", "option.speculative_length"),
+           "--num-speculative-tokens",
+           "speculative decoding by prompt lookup: draft tokens per plain greedy row; 0: off"),
+    Option("speculative_max_rows", "engine", _int(0), ("option.speculative_max_rows",),
+           "--speculative-max-rows", "no step speculates while more rows than this decode"),
     Option("quantize", "engine", _choice(*QUANTIZE_MODES), ("option.quantize",),
            "--quantize",
            "weight-only quantisation for decoding on the CPU: none | int8 | int4"),

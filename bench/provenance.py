@@ -27,10 +27,29 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# The instruction sets that decide which CPU paths run (a figure is comparable only with others
+# taken on the same ones).
+ISA_FLAGS = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
+def cpu_isa() -> list[str]:
+    """Which of ISA_FLAGS this CPU has (/proc/cpuinfo; [] where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return [flag for flag in ISA_FLAGS if flag in flags]
+    except OSError:
+        pass
+    return []
+
+
 def machine() -> dict:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
         "cpu": cpu_model(),
+        "isa": cpu_isa(),
         "cores_available": cores,
         "logical_cpus": os.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),

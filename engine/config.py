@@ -86,6 +86,13 @@ class EngineConfig:
     # (engine/kernels/, compiled for the host on first use) where it builds, else PyTorch's SDPA;
     # sdpa always runs SDPA.
     decode_attention: str = "auto"
+    # Speculative decoding by prompt lookup (engine/sample/speculative.py): up to this many
+    # tokens per plain greedy row, proposed from n-grams of its prompt and output and verified
+    # in the step's forward; 0: off.
+    num_speculative_tokens: int = 4
+    # No step speculates while more rows than this decode: a sub-batch keeps only the drafts
+    # every one of its rows accepted, and a large batch already reads each weight for many.
+    speculative_max_rows: int = 4
     # Weight-only quantisation on the CPU (engine/model/quantize.py): none | int8 | int4.
     quantize: str = "none"
     # torch intra-op threads; 0 picks a default from the cores available.
@@ -116,6 +123,9 @@ class EngineConfig:
         if self.max_rolling_batch_size < 0:
             raise ConfigError("max_rolling_batch_size", self.max_rolling_batch_size,
                               ">= 1, or 0 for auto")
+        for name in ("num_speculative_tokens", "speculative_max_rows"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, getattr(self, name), ">= 0 (0: off)")
         if self.job_queue_size < 0:
             raise ConfigError("job_queue_size", self.job_queue_size, ">= 0")
         if not 0.0 <= self.max_sparsity <= 1.0:

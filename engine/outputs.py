@@ -91,4 +91,6 @@ class EngineStats:
     prefix_cache_capacity_bytes: int = 0  # --prompt-cache-bytes, or less within the KV budget
     out_of_memory_steps: int = 0  # steps an allocation failure undid (engine.core.step)
     preemptions: int = 0  # jobs put back on the queue to be recomputed after one
+    spec_proposed_tokens: int = 0  # draft tokens fed for verification (speculative decoding)
+    spec_accepted_tokens: int = 0  # of those, kept
     finished_by_reason: Counter = field(default_factory=Counter)

@@ -120,6 +120,8 @@ class EngineReplica:
             "cache_misses": s.cache_misses, "steps": s.steps,
             "kv_budget_bytes": s.kv_budget_bytes,
             "out_of_memory_steps": s.out_of_memory_steps, "preemptions": s.preemptions,
+            "spec_proposed_tokens": s.spec_proposed_tokens,
+            "spec_accepted_tokens": s.spec_accepted_tokens,
             "prefix_cache_capacity_bytes": s.prefix_cache_capacity_bytes,
             "finished": {str(k): v for k, v in s.finished_by_reason.items()},
         }

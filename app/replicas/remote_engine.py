@@ -42,7 +42,7 @@ _REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
 # Counters summed over the replicas' reports into the gateway's seqgate_* engine metrics.
 _SUMMED = ("queued", "running", "steps", "prompt_tokens", "generated_tokens", "cached_tokens",
            "cache_hits", "cache_misses", "kv_budget_bytes", "prefix_cache_capacity_bytes",
-           "out_of_memory_steps", "preemptions")
+           "out_of_memory_steps", "preemptions", "spec_proposed_tokens", "spec_accepted_tokens")
 
 
 @dataclass(frozen=True)

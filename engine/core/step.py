@@ -28,6 +28,7 @@ from engine.outputs import EngineStats, StepStats
 from engine.request.job import Job
 from engine.sample.decoder import TokenDecoder, fail
 from engine.sample.grammar import GrammarCompiler
+from engine.sample.speculative import Speculator
 from engine.sched.caching import CachePolicy
 from engine.sched.preemption import lost_rows, victims
 from engine.sched.scheduler import ALONE_TOKENS, Scheduler, StepPlan
@@ -67,8 +68,9 @@ class EngineCore:
             config.chunk_attention_tokens or self.runner.attention_tokens(),
             StepCost() if ranks is None else None, self.kv_budget)
         self.batch = RollingBatch()
+        self.speculator = Speculator(config, self.max_model_len)
         self.decoder = TokenDecoder(self.runner.vocab_size, loaded.device, self.eos_ids,
-                                    self.max_model_len)
+                                    self.max_model_len, self.speculator)
         # Request threads compile grammars here (GrammarCompiler.compile), never the engine.
         # What a decode step costs lately (a moving average over decode-only steps), published
         # for the request threads that compile grammars: a mask is judged against it.
@@ -107,6 +109,8 @@ class EngineCore:
         s.grammars_compiled = self.grammars.compiled
         s.grammar_masked_tokens = self.decoder.grammar.masked_tokens
         s.grammar_mask_seconds = self.decoder.grammar.mask_seconds
+        s.spec_proposed_tokens = self.speculator.proposed
+        s.spec_accepted_tokens = self.speculator.accepted
         return s
 
     def check_when_idle(self) -> None:
@@ -137,6 +141,7 @@ class EngineCore:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         changed: dict[str, Job] = {job.job_id: job for job in plan.aborted}
+        self.speculator.draft(self.scheduler.running)
         try:
             chunks = self.runner.prepare_inputs(plan, self.batch)
         except Exception as exc:

@@ -197,6 +197,19 @@ class SubBatch:
                 layer.end -= fed - 1
                 layer._views()
 
+    def keep_drafted(self, kept: int) -> None:
+        """After `advance` of a speculative step: the rows also keep the first `kept` draft
+        tokens' columns, which the forward wrote right after the first (every row alike, so
+        the window stays right-aligned)."""
+        if not kept:
+            return
+        self.width += kept
+        for layer in self.cache.layers:
+            layer.end += kept
+            layer._views()
+        for s in self.seqs:
+            s.kv_len += kept
+
     def keep_slots(self, slots: list[int]) -> None:
         """Make each row's newest column hold the K/V of the `slots[i]`-th token it fed (its
         chosen contrastive candidate; 0 keeps what is there). Right after `advance`."""

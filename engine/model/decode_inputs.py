@@ -1,10 +1,12 @@
 """What a sub-batch's rows feed in one decode step, and the attention mask for it.
 
 A row feeds its pending token, or, in contrastive search, its k candidates, all at the row's next
-position. Attention sees `slots` queries per row (the most any row feeds; fewer-fed rows are
-padded there alone, the linear layers never see the padding), and each query attends to the
-row's context plus its own new column: a diagonal over the new columns, so candidates never see
-each other. The row's KV is read in place, in its sub-batch's slab.
+position, or, under speculative decoding (engine.sample.speculative), its pending token and its
+draft at consecutive positions. Attention sees `slots` queries per row (the most any row feeds;
+fewer-fed rows are padded there alone, the linear layers never see the padding), and each query
+attends to the row's context plus new columns: its own alone (a diagonal, so candidates never see
+each other), or, for a draft, every one up to its own (causal). The row's KV is read in place,
+in its sub-batch's slab.
 """
 
 from __future__ import annotations
@@ -30,19 +32,29 @@ class DecodeFeed:
     # `slots` (None: the tokens fill it exactly).
     index: torch.Tensor | None
     context: torch.Tensor  # [rows, width] bool: the slab columns each row attends to
+    # Speculative decoding: each row's draft, fed after its pending token (every row of the
+    # sub-batch has one, or none feeds any); None: no draft fed.
+    drafts: list[list[int]] | None = None
 
     @classmethod
     def of(cls, sb: SubBatch) -> DecodeFeed:
         device = sb.cache.layers[0].device
-        fed = [s.candidates.ids if s.candidates is not None else [s.pending_token]
+        drafts = [s.draft for s in sb.seqs]
+        if not all(drafts):  # a row without a draft would keep every row to none
+            drafts = None
+            for s in sb.seqs:
+                s.draft = []
+        fed = [s.candidates.ids if s.candidates is not None else [s.pending_token, *s.draft]
                for s in sb.seqs]
         sizes = [len(f) for f in fed]
         starts = [0]
         for n in sizes[:-1]:
             starts.append(starts[-1] + n)
         tokens = starts[-1] + sizes[-1]
-        counts, lengths, ids, first = split_to_device(
-            [sizes, sb.lengths(), [t for f in fed for t in f], starts], device)
+        # A draft's tokens sit at consecutive positions; candidates share the next one.
+        offsets = [j for n in sizes for j in range(n)] if drafts else [0] * tokens
+        counts, lengths, ids, first, offset = split_to_device(
+            [sizes, sb.lengths(), [t for f in fed for t in f], starts, offsets], device)
         slots = max(sizes)
         index = None
         if tokens != slots * sb.size:
@@ -50,8 +62,8 @@ class DecodeFeed:
                                                                         output_size=tokens)
             index = row * slots + torch.arange(tokens, device=device) - first[row]
         context = sb.decode_mask(lengths)[:, :-1]
-        positions = lengths.repeat_interleave(counts, output_size=tokens)
-        return cls(ids, positions, first, starts, slots, index, context)
+        positions = lengths.repeat_interleave(counts, output_size=tokens) + offset
+        return cls(ids, positions, first, starts, slots, index, context, drafts)
 
     @property
     def tokens(self) -> int:
@@ -78,9 +90,13 @@ class DecodeFeed:
 
     def mask(self, dtype: torch.dtype) -> torch.Tensor:
         """[rows, 1, slots, width + slots] additive: each query sees its row's context and its own
-        new column (an additive mask: the CPU attention kernel runs faster with it)."""
+        new column, or with drafts every new column up to its own (an additive mask: the CPU
+        attention kernel runs faster with it)."""
         rows, width = self.context.shape
-        own = torch.eye(self.slots, dtype=torch.bool, device=self.context.device)
+        own = torch.ones((self.slots, self.slots), dtype=torch.bool,
+                         device=self.context.device).tril_()
+        if self.drafts is None:
+            own = torch.eye(self.slots, dtype=torch.bool, device=self.context.device)
         allowed = torch.cat([self.context[:, None, :].expand(rows, self.slots, width),
                              own[None].expand(rows, -1, -1)], dim=-1)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)

@@ -43,6 +43,7 @@ class GroupResult:
     hidden: torch.Tensor | None  # last-layer hidden states of the fed tokens, when asked
     first: torch.Tensor | None = None  # decode: each row's first token in `logits`, `hidden`
     first_host: list[int] | None = None  # the same, on the host
+    drafts: list[list[int]] | None = None  # decode: each row's draft fed after its token
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
@@ -177,7 +178,8 @@ class ModelRunner:
         )
         sb.advance(feed.slots)
         hidden = feed.packed(out.hidden_states[-1]) if want_hidden else None
-        return GroupResult(feed.packed(out.logits).float(), hidden, feed.first, feed.first_host)
+        return GroupResult(feed.packed(out.logits).float(), hidden, feed.first, feed.first_host,
+                           feed.drafts)
 
     def packed(
         self, sub_batches: list[SubBatch], chunks: list[Chunk], want_hidden: list[bool]
@@ -229,7 +231,7 @@ class ModelRunner:
             sb.advance(feed.slots)
             h = hidden[g.start : g.start + g.tokens] if want else None
             results.append(GroupResult(logits[row : row + g.tokens], h, feed.first,
-                                       feed.first_host))
+                                       feed.first_host, feed.drafts))
             row += g.tokens
         for ch, g in zip(chunks, groups[len(sub_batches):]):
             lg = None

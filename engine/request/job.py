@@ -70,6 +70,8 @@ class Sequence:
     pending_token: int = -1
     # Contrastive search: the tokens proposed for the next position, fed together next step.
     candidates: Candidates | None = None
+    # Speculative decoding: tokens proposed to follow the pending one, verified next step.
+    draft: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     generator: torch.Generator | None = None
     detok: IncrementalDetokenizer | None = None
@@ -103,8 +105,9 @@ class Sequence:
 
     @property
     def feeds(self) -> int:
-        """Tokens it feeds at its next decode step: its candidates, or its pending token."""
-        return len(self.candidates.ids) if self.candidates is not None else 1
+        """Tokens it feeds at its next decode step: its candidates, or its pending token and
+        its draft."""
+        return len(self.candidates.ids) if self.candidates is not None else 1 + len(self.draft)
 
     def start(self, tokenizer, device: torch.device, hidden: torch.Tensor | None) -> None:
         """Set up decoding once the prompt is prefilled: detokenizer, stop matcher, the seeded

@@ -26,6 +26,7 @@ from engine.sample.sampling import (
     logprobs_for,
     sample_rows,
 )
+from engine.sample.speculative import Speculator, verify
 from engine.sched.stops import at_length, token_stop
 from engine.staging import to_device
 
@@ -44,8 +45,9 @@ class TokenDecoder:
     """Owns the token choice: penalties, strategies, logprobs, and the stop conditions."""
 
     def __init__(self, vocab_size: int, device: torch.device, eos_ids: list[int],
-                 max_model_len: int):
+                 max_model_len: int, speculator: Speculator | None = None):
         self.vocab_size = vocab_size
+        self.speculator = speculator  # told what verification kept
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
         self.generator = torch.Generator(device=device)  # draws for unseeded jobs
@@ -84,6 +86,9 @@ class TokenDecoder:
         in one `choose`: one transfer of the step's tokens to the host."""
         seqs, rows = [], []
         for sb, result in groups:
+            if result.drafts is not None:
+                self._verify(sb, result)
+                continue
             slots = self.pick(sb.seqs, result.hidden, result.first)
             sb.commit(slots)
             kept = [f + s for f, s in zip(result.first_host, slots)]
@@ -100,6 +105,25 @@ class TokenDecoder:
             rows.append(logits if picked == list(range(len(logits))) else logits[picked])
         if seqs:
             self.choose(seqs, rows[0] if len(rows) == 1 else torch.cat(rows))
+
+    def _verify(self, sb: SubBatch, result: GroupResult) -> None:
+        """A speculative sub-batch (engine.sample.speculative): each row's greedy choice after
+        each token it fed; the drafted tokens every row agreed with are kept, in the slab and
+        in the output, then each row's own next choice."""
+        chosen = result.logits.argmax(dim=-1).tolist()
+        drafts = result.drafts
+        outcome = verify(drafts, [chosen[f : f + 1 + len(d)]
+                                  for f, d in zip(result.first_host, drafts)])
+        sb.commit([0] * sb.size)
+        sb.keep_drafted(outcome.kept)
+        if self.speculator is not None:
+            self.speculator.record(sum(map(len, drafts)), outcome.kept * sb.size)
+        for s, tokens in zip(sb.seqs, outcome.tokens):
+            s.draft = []
+            for tok in tokens:
+                if s.status.finished:
+                    break
+                self.accept(s, tok, None)
 
     def _choose_rows(self, seqs: list[Sequence], logits: torch.Tensor):
         logits = apply_penalties(logits, seqs, self.vocab_size)

@@ -9,7 +9,7 @@ import torch
 
 from engine.kv.batch import SubBatch
 from engine.kv.radix_cache import PrefixEntry, RadixPrefixCache
-from engine.kv.slabs import row_from_cache
+from engine.kv.slabs import RowKV, row_from_cache
 from engine.request.job import Job, SeqStatus
 
 CACHED_ENDINGS = frozenset({SeqStatus.EOS, SeqStatus.STOP_TOKEN, SeqStatus.STOP_STRING,
@@ -41,4 +41,7 @@ class CachePolicy:
                 ids = (s.job.prompt_ids + s.generated)[: s.kv_len]
                 hidden = s.hidden if s.hidden is not None and len(s.hidden) == s.kv_len else None
                 row = sb.row(i)
+                if len(ids) < row.length:  # a speculative step kept columns past its stop
+                    row = RowKV([k[:, : len(ids)] for k in row.keys],
+                                [v[:, : len(ids)] for v in row.values], len(ids))
                 self.cache.insert(ids, PrefixEntry(row.keys, row.values, hidden, row.length))

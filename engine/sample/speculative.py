@@ -1,0 +1,120 @@
+"""Speculative decoding by prompt lookup (n-gram drafting, as vLLM's `ngram` method and
+llama.cpp's lookup decoding): a row whose last few tokens occurred earlier in its prompt or
+output proposes the tokens that followed them there; the next step feeds its pending token and
+that draft together (causally, at consecutive positions) and keeps the longest prefix of the
+draft that its own greedy choices agree with, plus the choice after it. The output is the one
+plain greedy decoding gives, token for token; a step yields up to 1 + k tokens per row for
+about the cost of one when the weights, not the arithmetic, bound it (one row on a CPU).
+
+A sub-batch's rows share one slab window, so a sub-batch keeps the drafted tokens that all its
+rows accepted (`SpecOutcome.kept`): the rows stay right-aligned, with no columns to move. With
+few rows, the case speculation is for, little is lost; with more than `speculative_max_rows`
+no step speculates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.request.job import Sequence
+
+# n-gram sizes matched, longest first: a longer match predicts better; 2 still finds copies.
+MIN_NGRAM, MAX_NGRAM = 2, 4
+# How far back a row's context is searched (its newest tokens; a Python scan per step).
+SEARCH_TOKENS = 2048
+# Acceptance below this (tokens kept per token proposed, over recent steps) pauses drafting
+# for PAUSE_STEPS: a draft costs its columns' compute and a masked attention.
+LOW_ACCEPTANCE, PAUSE_STEPS = 0.1, 32
+
+
+def propose(context: list[int], k: int) -> list[int]:
+    """Up to `k` tokens that followed the most recent earlier occurrence of the longest of
+    `context`'s final n-grams (MIN_NGRAM..MAX_NGRAM) in `context`; [] when none recurs."""
+    window = context[-SEARCH_TOKENS:]
+    end = len(window)
+    for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
+        if end <= n:
+            continue
+        tail = window[-n:]
+        first = tail[0]
+        for start in range(end - n - 1, -1, -1):
+            if window[start] == first and window[start : start + n] == tail:
+                return window[start + n : start + n + k]
+    return []
+
+
+def plain_greedy(s: Sequence) -> bool:
+    """Whether `s`'s next tokens are the argmax of its raw logits (what verification checks a
+    draft against): greedy, with nothing that changes its logits or wants their values."""
+    p = s.params
+    return (s.job.strategy == "greedy" and s.matcher is None and not p.logit_bias
+            and not p.logprobs and len(s.generated) >= p.min_new_tokens
+            and not p.presence_penalty and not p.frequency_penalty
+            and p.repetition_penalty == 1.0 and s.candidates is None)
+
+
+@dataclass
+class SpecOutcome:
+    """A speculative sub-batch's verification: per row, the tokens it accepts in order."""
+
+    kept: int  # drafted tokens every row accepted (the slab keeps 1 + kept new columns)
+    tokens: list[list[int]]  # per row: its first `kept` draft tokens, then its own choice
+
+
+def verify(drafts: list[list[int]], choices: list[list[int]]) -> SpecOutcome:
+    """Given each row's draft and its greedy choice after each fed token (pending token, then
+    the draft's), what the sub-batch keeps."""
+    agreed = []
+    for draft, chosen in zip(drafts, choices):
+        n = 0
+        while n < len(draft) and draft[n] == chosen[n]:
+            n += 1
+        agreed.append(n)
+    kept = min(agreed)
+    return SpecOutcome(kept, [d[:kept] + [c[kept]] for d, c in zip(drafts, choices)])
+
+
+class Speculator:
+    """Proposes drafts before each step, within what the rows may still generate, and counts
+    what verification kept; drafting pauses where it does not pay."""
+
+    def __init__(self, config: EngineConfig, max_model_len: int):
+        self.k = config.num_speculative_tokens
+        self.max_rows = config.speculative_max_rows
+        self.max_model_len = max_model_len
+        self.proposed = 0  # draft tokens fed
+        self.accepted = 0  # of those, kept
+        self._recent = [0.0, 0.0]  # decayed (proposed, accepted)
+        self._paused = 0
+
+    def draft(self, rows: list[Sequence]) -> None:
+        """Set each running row's draft for the coming step ([] where none is proposed)."""
+        active = self.k and 0 < len(rows) <= self.max_rows and not self._pause()
+        for s in rows:
+            s.draft = self._propose(s) if active else []
+
+    def _propose(self, s: Sequence) -> list[int]:
+        if not plain_greedy(s) or s.status.finished:
+            return []
+        # Within the job's reservation and the context: the pending token, the draft and the
+        # choice after it must all fit.
+        room = min(self.k, s.tokens_left - 1, self.max_model_len - s.kv_len - 2)
+        if room <= 0:
+            return []
+        return propose(s.job.prompt_ids + s.generated, room)
+
+    def _pause(self) -> bool:
+        if self._paused:
+            self._paused -= 1
+            return True
+        proposed, accepted = self._recent
+        if proposed >= 4 * max(self.k, 1) and accepted < LOW_ACCEPTANCE * proposed:
+            self._paused, self._recent = PAUSE_STEPS, [0.0, 0.0]
+            return True
+        return False
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+        self._recent = [0.9 * self._recent[0] + proposed, 0.9 * self._recent[1] + accepted]
