@@ -34,8 +34,8 @@ def grounded_requests(tokenizer, count: int, seed: int, max_tokens: int) -> list
         if not 40 <= n <= 400:
             continue
         messages = [{"role": "user", "content": GROUNDED.format(text=reply)}]
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer.encode(text, add_special_tokens=False)
         out.append((ids, min(n, max_tokens)))
         if len(out) == count:
             return out
