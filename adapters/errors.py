@@ -135,8 +135,8 @@ def job_outcome_error(delta: JobDelta) -> ApiError | None:
 
 
 def missing_api_key() -> ApiError:
-    return ApiError(401, "Missing API key: send it as 'Authorization: Bearer <key>'.",
-                    "invalid_api_key")
+    return ApiError(401, "Missing API key: send it as 'Authorization: Bearer <key>' (or "
+                    "'x-api-key: <key>').", "invalid_api_key")
 
 
 def invalid_api_key() -> ApiError:

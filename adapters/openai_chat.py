@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from adapters.errors import CHAT_NAMES, ApiError
+from adapters.errors import CHAT_NAMES, ApiError, ParamNames
 from adapters.limits import MAX_CONTENT_PARTS, MAX_MESSAGES
 from adapters.openai_params import (
     JobSpec,
@@ -221,11 +221,10 @@ def chat_grammar(req: ChatCompletionRequest, plan: ToolPlan | None,
     return compile_requested(grammars, grammar)
 
 
-def build_chat_job(req: ChatCompletionRequest, tokenizer, max_model_len: int,
-                   max_tokens_limit: int = 0, grammars: GrammarCompiler | None = None) -> JobSpec:
-    """Translate a chat request into one engine job; raises ApiError before any submission.
-    `grammars` compiles structured outputs and tool grammars (here, on the request's thread)."""
-    check_supported(req)
+def chat_prompt(req: ChatCompletionRequest, tokenizer, max_model_len: int
+                ) -> tuple[list[int], ToolPlan | None]:
+    """The request's prompt ids (its tools described as the tool format says) and its tool
+    plan. /v1/messages/count_tokens counts these ids too, so they are what a job would run."""
     plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, req.functions,
                      req.function_call)
     fmt = tool_format(tokenizer) if plan or _has_tool_traffic(req.messages) else "generic"
@@ -236,14 +235,25 @@ def build_chat_job(req: ChatCompletionRequest, tokenizer, max_model_len: int,
             template_tools = [t.schema() for t in plan.tools]
         else:
             messages = with_tool_prompt(messages, plan)
+    return render_prompt(tokenizer, messages, max_model_len, template_tools), plan
+
+
+def build_chat_job(req: ChatCompletionRequest, tokenizer, max_model_len: int,
+                   max_tokens_limit: int = 0, grammars: GrammarCompiler | None = None,
+                   names: ParamNames = CHAT_NAMES) -> JobSpec:
+    """Translate a chat request into one engine job; raises ApiError before any submission.
+    `grammars` compiles structured outputs and tool grammars (here, on the request's thread);
+    `names` is how the client's protocol names the parameters (/v1/messages builds chat
+    requests too)."""
+    check_supported(req)
+    prompt_ids, plan = chat_prompt(req, tokenizer, max_model_len)
     grammar = chat_grammar(req, plan, grammars)
-    prompt_ids = render_prompt(tokenizer, messages, max_model_len, template_tools)
     # ChatOpenAI sends max_completion_tokens, older clients max_tokens; the newer name wins.
     if req.max_completion_tokens is not None:
         requested = req.max_completion_tokens
-        names = CHAT_NAMES.renaming(max_new_tokens="max_completion_tokens")
+        names = names.renaming(max_new_tokens="max_completion_tokens")
     else:
-        requested, names = req.max_tokens, CHAT_NAMES
+        requested = req.max_tokens
     budget = max_tokens_for(requested, len(prompt_ids), max_model_len, names, max_tokens_limit)
     params = sampling_params(req, names, max_tokens=budget, logprobs=bool(req.logprobs),
                              top_logprobs=req.top_logprobs or 0)

@@ -55,8 +55,10 @@ def _always_sent(t: Any) -> dict[str, list[str]]:
                 return
             omit = info.cls.__struct_config__.omit_defaults
             out[name] = [f.encode_name for f in info.fields if f.required or (
-                not omit and (f.default is not mi.NODEFAULT
-                              or f.default_factory is not mi.NODEFAULT))]
+                not omit and f.default is not msgspec.UNSET
+                and (f.default is not mi.NODEFAULT or f.default_factory is not mi.NODEFAULT))]
+            if info.tag_field is not None:  # a tagged union's member always names its tag
+                out[name].append(info.tag_field)
             for f in info.fields:
                 walk(f.type)
             return
@@ -103,9 +105,11 @@ _ERRORS = {
 
 def documented(request: type | None, response: Any, *,
                stream: type | None = None, stream_media: str = "text/event-stream",
+               stream_note: str | None = None,
                errors: tuple[str, ...] = ("400", "401", "404", "413", "429", "503"),
-               ) -> type[Operation]:
-    """An Operation class describing a route's JSON body, its responses and its errors."""
+               error: type = ErrorResponse) -> type[Operation]:
+    """An Operation class describing a route's JSON body, its responses and its errors (in
+    `error`'s shape: OpenAI's envelope unless the route speaks another protocol)."""
 
     @dataclass
     class DocumentedOperation(Operation):
@@ -118,14 +122,15 @@ def documented(request: type | None, response: Any, *,
             if response is not None:
                 content["application/json"] = _media(response, response=True)
             if stream is not None:
-                desc = (f"{stream.__name__} lines" if stream_media != "text/event-stream" else
-                        f"with stream=true: {stream.__name__} events, then [DONE]")
+                desc = stream_note or (
+                    f"{stream.__name__} lines" if stream_media != "text/event-stream" else
+                    f"with stream=true: {stream.__name__} events, then [DONE]")
                 content[stream_media] = OpenAPIMediaType(schema=Schema(description=desc))
             responses: dict = {"200": OpenAPIResponse(description="Success", content=content)}
             for status in errors:
                 responses[status] = OpenAPIResponse(
                     description=_ERRORS[status],
-                    content={"application/json": _media(ErrorResponse, response=True)})
+                    content={"application/json": _media(error, response=True)})
             self.responses = responses
 
     return DocumentedOperation

@@ -1,5 +1,5 @@
-"""Bearer API keys: the guard on the routes that reach the model, and the cap on each key's open
-requests (`--max-concurrent-per-key`)."""
+"""API keys (a bearer token, or `x-api-key`): the guard on the routes that reach the model, and
+the cap on each key's open requests (`--max-concurrent-per-key`)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,12 @@ def key_matches(presented: str, keys: tuple[str, ...]) -> bool:
 
 
 def presented_key(connection: ASGIConnection) -> str | None:
-    """The bearer token of a request, if it sent one."""
+    """The key a request sent: its bearer token, else its `x-api-key` header (Anthropic's
+    clients send the key there)."""
     scheme, _, token = connection.headers.get("authorization", "").partition(" ")
-    return token.strip() or None if scheme.lower() == "bearer" else None
+    if scheme.lower() == "bearer":
+        return token.strip() or None
+    return connection.headers.get("x-api-key", "").strip() or None
 
 
 def is_authorized(connection: ASGIConnection) -> bool:
@@ -36,7 +39,7 @@ def is_authorized(connection: ASGIConnection) -> bool:
 
 
 def require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    """401 unless the request carries `Authorization: Bearer <one of the configured keys>`."""
+    """401 unless the request carries one of the configured keys (`presented_key`)."""
     keys = connection.app.state.gateway.settings.server.api_keys
     if not keys:
         return

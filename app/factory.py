@@ -14,13 +14,17 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin
 from litestar.types import Message, Scope
 
+from app.controllers.anthropic import MessagesController
 from app.controllers.djl import DjlController
+from app.controllers.embeddings import EmbeddingsController
 from app.controllers.openai import (
     ChatCompletionsController,
     CompletionsController,
     ModelsController,
 )
 from app.controllers.ops import OpsController
+from app.controllers.responses import ResponsesController
+from app.embeddings.service import EmbeddingService
 from app.exception_handlers import EXCEPTION_HANDLERS, watch_client
 from app.lifespan import GatewayState, engine_lifespan
 from app.settings import Settings
@@ -28,10 +32,12 @@ from app.version import __version__
 from engine import EngineClient
 
 
-def create_app(settings: Settings | None = None, engine: EngineClient | None = None) -> Litestar:
-    """Build the app. Without `engine`, the lifespan loads the configured model at start-up."""
+def create_app(settings: Settings | None = None, engine: EngineClient | None = None,
+               embeddings: EmbeddingService | None = None) -> Litestar:
+    """Build the app. Without `engine`, the lifespan loads the configured model at start-up;
+    without `embeddings`, the configured embedding model (if any) likewise."""
     settings = settings or Settings()
-    gateway = GatewayState(settings)
+    gateway = GatewayState(settings, embeddings=embeddings)
     if engine is not None:
         gateway.use_engine(engine)
 
@@ -50,6 +56,7 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
     server = settings.server
     return Litestar(
         route_handlers=[ChatCompletionsController, CompletionsController, ModelsController,
+                        ResponsesController, MessagesController, EmbeddingsController,
                         DjlController, OpsController],
         dependencies={"gw": Provide(provide_gateway, use_cache=True, sync_to_thread=False)},
         lifespan=[engine_lifespan],

@@ -38,7 +38,9 @@ from adapters.errors import (
 )
 from adapters.token_text import TokenText
 from app.auth import KeyLimiter
+from app.embeddings.service import EmbeddingService
 from app.metrics import GatewayMetrics
+from app.response_store import ResponseStore
 from app.settings import Settings
 from app.version import __version__
 from engine import Engine, EngineClient, EngineConfig, SamplingParams
@@ -73,11 +75,19 @@ class GatewayState:
     # With engine replicas (app/replicas): each live replica's last report, by replica id.
     replica_report: Callable[[], dict[str, dict]] | None = None
     _prep_pool: ThreadPoolExecutor | None = None
+    # The embedding model's service (app/embeddings), loaded with the engine when
+    # settings.embeddings.model names one; /health waits for it too.
+    embeddings: EmbeddingService | None = None
+    owns_embeddings: bool = False
     key_limiter: KeyLimiter = field(init=False)
+    responses: ResponseStore = field(init=False)  # the /v1/responses store
 
     def __post_init__(self) -> None:
         server = self.settings.server
         self.key_limiter = KeyLimiter(server.max_concurrent_per_key, server.api_keys)
+        self.responses = ResponseStore(server.response_store_entries,
+                                       server.response_store_bytes,
+                                       self.metrics.report_response_store)
 
     @property
     def model_name(self) -> str:
@@ -209,7 +219,19 @@ async def _load_in_thread(state: GatewayState) -> EngineClient:
                            f"{timeout:g}s") from None
 
 
+async def _start_embeddings(state: GatewayState) -> None:
+    """Load the embedding model when one is asked for and none was passed in, and start its
+    thread; before the engine's, so each sets its torch threads in turn (app/embeddings)."""
+    if state.embeddings is None and state.settings.embeddings.model:
+        state.embeddings = await asyncio.to_thread(EmbeddingService.from_settings,
+                                                   state.settings)
+        state.owns_embeddings = True
+    if state.embeddings is not None:
+        state.embeddings.start()
+
+
 async def _start(state: GatewayState) -> None:
+    await _start_embeddings(state)
     engine = state.engine
     engine.start()
     if state.settings.server.warmup:
@@ -254,3 +276,5 @@ async def engine_lifespan(app: Litestar) -> AsyncIterator[None]:
             loading.cancel()
         if state.owns_engine and state.engine is not None:
             await asyncio.to_thread(state.engine.stop, True, state.settings.server.drain_timeout)
+        if state.owns_embeddings and state.embeddings is not None:
+            await asyncio.to_thread(state.embeddings.stop)

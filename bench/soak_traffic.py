@@ -29,6 +29,7 @@ from bench.sharegpt import Request
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+RESPONSES_PATH = "/v1/responses"
 ERROR_FIELDS = ("message", "type", "param", "code")
 JSON_HEADERS = {"content-type": "application/json"}
 
@@ -111,6 +112,15 @@ BAD_INPUTS: dict[str, tuple[str, BadInput]] = {
         _chat(s.name, tools=[{"type": "code_interpreter"}]))),
     "empty-prompt": (COMPLETIONS_PATH, lambda s, r: _encode(
         {"model": s.name, "prompt": "", "max_tokens": 4})),
+    # the Responses API: items it does not take, a call output answering no call, an id it
+    # does not hold (a 404)
+    "responses-unknown-item": (RESPONSES_PATH, lambda s, r: _encode(
+        {"model": s.name, "input": [{"type": "reasoning", "summary": []}]})),
+    "responses-output-of-no-call": (RESPONSES_PATH, lambda s, r: _encode(
+        {"model": s.name, "input": [{"type": "function_call_output", "call_id": "call_none",
+                                     "output": "x"}]})),
+    "responses-unknown-previous-id": (RESPONSES_PATH, lambda s, r: _encode(
+        {"model": s.name, "input": "hi", "previous_response_id": f"resp_{r.random()}"})),
 }
 
 

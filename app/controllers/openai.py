@@ -10,7 +10,7 @@ import msgspec
 from litestar import Controller, Request, Response, get, post
 from litestar.params import FromPath
 
-from adapters.errors import CHAT_NAMES, COMPLETION_NAMES
+from adapters.errors import CHAT_NAMES, COMPLETION_NAMES, ApiError
 from adapters.openai_chat import ChatAssembler, ChatChunker, build_chat_job
 from adapters.openai_completions import (
     CompletionAssembler,
@@ -123,27 +123,34 @@ class CompletionsController(Controller):
 
 
 class ModelsController(Controller):
-    """GET /v1/models and /v1/models/{id}: the one model this server serves."""
+    """GET /v1/models and /v1/models/{id}: the chat model, and the embedding model if any."""
 
     path = "/v1/models"
     guards = [require_api_key]
     tags = ["OpenAI"]
 
-    def _card(self, gw: GatewayState) -> ModelCard:
+    def _cards(self, gw: GatewayState) -> list[ModelCard]:
         limit = gw.engine.max_model_len if gw.engine else 0
-        return ModelCard(id=gw.model_name, created=_STARTED, owned_by="seqgate",
-                         max_model_len=limit)
+        cards = [ModelCard(id=gw.model_name, created=_STARTED, owned_by="seqgate",
+                           max_model_len=limit)]
+        if gw.embeddings is not None:
+            model = gw.embeddings.model
+            cards.append(ModelCard(id=model.name, created=_STARTED, owned_by="seqgate",
+                                   max_model_len=model.max_tokens))
+        return cards
 
-    @get("/", operation_id="listModels", summary="List the served model",
+    @get("/", operation_id="listModels", summary="List the served models",
          operation_class=documented(None, ModelList, errors=("401", "503")))
     async def list_models(self, gw: Gateway) -> Response:
         gw.require_ready()
-        return json_response(ModelList(data=[self._card(gw)]))
+        return json_response(ModelList(data=self._cards(gw)))
 
     @get("/{model_id:path}", operation_id="retrieveModel", summary="Describe a model",
          operation_class=documented(None, ModelCard, errors=("401", "404", "503")))
     async def retrieve(self, model_id: FromPath[str], gw: Gateway) -> Response:
         gw.require_ready()
         model_id = model_id.lstrip("/")
-        check_model(model_id, gw.model_name)
-        return json_response(self._card(gw))
+        card = next((c for c in self._cards(gw) if c.id == model_id), None)
+        if card is None:
+            raise ApiError.model_not_found(model_id, gw.model_name)
+        return json_response(card)

@@ -58,6 +58,19 @@ def _chat_chunk_schema(_: Schema) -> tuple[Schema, Schema]:
 _chat_chunk_schema.__name__ = "POST /v1/chat/completions stream chunk"
 
 
+def _responses_event_schema(name: str) -> Callable[[Schema], tuple[Schema, Schema]]:
+    """A /v1/responses stream event's schema, made from its struct like the chat chunk's."""
+    def get(_: Schema) -> tuple[Schema, Schema]:
+        from adapters import responses_types
+        from app.api_docs import json_schema
+
+        schema = json_schema(getattr(responses_types, name), response=True)
+        return schema, schema
+
+    get.__name__ = f"POST /v1/responses stream {name}"
+    return get
+
+
 def _from_document(method: str, path: str, part: str) -> Callable[[Schema], tuple[Schema, Schema]]:
     def get(document: Schema) -> tuple[Schema, Schema]:
         return operation_schema(document, method, path, part), document
@@ -92,6 +105,27 @@ CONTRACT: tuple[Contract, ...] = (
     Contract(_from_document("GET", "/v1/models", "200"), "ListModelsResponse", "response"),
     Contract(_from_document("GET", "/v1/models/{model_id}", "200"), "Model", "response"),
     Contract(_from_document("POST", "/v1/chat/completions", "400"), "ErrorResponse", "response"),
+    Contract(_from_document("POST", "/v1/embeddings", "request"), "CreateEmbeddingRequest",
+             "request"),
+    Contract(_from_document("POST", "/v1/embeddings", "200"), "CreateEmbeddingResponse",
+             "response"),
+    Contract(_from_document("POST", "/v1/responses", "request"), "CreateResponse", "request"),
+    Contract(_from_document("POST", "/v1/responses", "200"), "Response", "response"),
+    Contract(_from_document("GET", "/v1/responses/{response_id}", "200"), "Response",
+             "response"),
+    Contract(_from_document("GET", "/v1/responses/{response_id}/input_items", "200"),
+             "ResponseItemList", "response"),
+    Contract(_from_document("POST", "/v1/responses/{response_id}/cancel", "200"), "Response",
+             "response"),
+    *(Contract(_responses_event_schema(ours), theirs, "response") for ours, theirs in (
+        ("LifecycleEvent", "ResponseCompletedEvent"),
+        ("OutputItemEvent", "ResponseOutputItemDoneEvent"),
+        ("ContentPartEvent", "ResponseContentPartDoneEvent"),
+        ("TextDeltaEvent", "ResponseTextDeltaEvent"),
+        ("TextDoneEvent", "ResponseTextDoneEvent"),
+        ("ArgumentsDeltaEvent", "ResponseFunctionCallArgumentsDeltaEvent"),
+        ("ArgumentsDoneEvent", "ResponseFunctionCallArgumentsDoneEvent"),
+        ("ErrorEvent", "ResponseErrorEvent"))),
 )
 
 
@@ -106,10 +140,15 @@ EXTENSIONS = {
     "continuous_usage_stats",  # vLLM stream_options
     "decoding_strategy", "penalty_alpha",  # DJL / transformers contrastive search
     "max_model_len",  # vLLM's model card
+    # chat's sampling fields, which /v1/responses takes too (its request is chat's underneath)
+    "n", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
 }
 
 # Differences from OpenAI's document that are deliberate, keyed by (contract name, field path).
 ACCEPTED = {
+    ("POST /v1/embeddings 200 ~ CreateEmbeddingResponse", "data[].embedding"):
+        "with encoding_format=base64 the vector is a base64 string, as OpenAI's API sends it "
+        "(its document types only the float list)",
     ("POST /v1/completions request ~ CreateCompletionRequest", "prompt"):
         "OpenAI's API turns a null prompt into '<|endoftext|>'; we refuse it with 400 "
         "(param=prompt) rather than generate from nothing",
@@ -122,6 +161,9 @@ ACCEPTED = {
         "with echo, the first prompt token has no logprob; OpenAI's API sends null there too",
     ("POST /v1/completions 200 ~ CreateCompletionResponse", "choices[].logprobs.top_logprobs[]"):
         "with echo, the first prompt token has no alternatives; OpenAI's API sends null too",
+    **{("GET /v1/responses/{response_id}/input_items 200 ~ ResponseItemList", name):
+       "an empty page (after= the last item) has no first or last item: null says so"
+       for name in ("first_id", "last_id")},
 }
 
 def unknown_extensions(result: Comparison) -> list[str]:

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.slow  # a live server with the real model
 
 HELLO = [{"role": "user", "content": "Count from one to ten in words."}]
 CHAT = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
 
 
 def chat(**kw) -> dict:
@@ -116,6 +117,19 @@ CASES = [
         "stop_sequences": ["x" * 2000]}}, 400, "invalid_value", "parameters.stop"),
     ("body over the limit", "POST", CHAT, {"messages": HELLO, "user": "x" * MAX_REQUEST_BYTES},
      413, "request_too_large", None),
+    ("responses: unknown item type", "POST", RESPONSES, {"input": [{"type": "reasoning"}]}, 400,
+     "invalid_value", "input[0].type"),
+    ("responses: output of no call", "POST", RESPONSES, {"input": [
+        {"type": "function_call_output", "call_id": "call_1", "output": "x"}]}, 400,
+     "invalid_value", "input[0].call_id"),
+    ("responses: built-in tool", "POST", RESPONSES, {"input": "hi", "tools": [
+        {"type": "file_search"}]}, 400, "unsupported_parameter", "tools[0].type"),
+    ("responses: image part", "POST", RESPONSES, {"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "x"}]}]}, 400, "unsupported_parameter",
+     "input[0].content[0].type"),
+    ("responses: unknown previous id", "POST", RESPONSES, {"input": "hi",
+                                                           "previous_response_id": "resp_x"},
+     404, "response_not_found", "previous_response_id"),
 ]
 
 

@@ -67,7 +67,7 @@ def _distributions(modules: dict[str, set[str]]) -> dict[str, set[str]]:
 
 
 # Optional extras, and the one package of ours that may import each (nothing else may).
-EXTRA_USERS = {"ray": "app/replicas/"}
+EXTRA_USERS = {"ray": "app/replicas/", "embeddings": "app/embeddings/"}
 
 
 def test_the_server_imports_only_declared_dependencies():
@@ -86,10 +86,11 @@ def test_the_server_imports_only_declared_dependencies():
     assert not undeclared, f"imported but not in [project].dependencies: {undeclared}"
 
 
-def test_the_server_starts_without_the_ray_extra():
-    """Importing the app and the CLI imports no ray: `--replicas 1` needs nothing more."""
+def test_the_server_starts_without_the_optional_extras():
+    """Importing the app and the CLI imports no ray and no sentence-transformers: `--replicas 1`
+    and a server without --embedding-model need nothing more."""
     code = ("import sys, app.__main__, app.factory, app.replicas.policy; "
-            "sys.exit('ray' in sys.modules)")
+            "sys.exit('ray' in sys.modules or 'sentence_transformers' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
 
 

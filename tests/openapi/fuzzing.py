@@ -21,9 +21,12 @@ MAX_CHOICES = 2
 
 # Body field -> the most the fuzzer may ask for.
 _CAPS = {"max_tokens": MAX_NEW_TOKENS, "max_completion_tokens": MAX_NEW_TOKENS,
-         "min_tokens": MAX_NEW_TOKENS, "n": MAX_CHOICES, "best_of": MAX_CHOICES}
+         "max_output_tokens": MAX_NEW_TOKENS, "min_tokens": MAX_NEW_TOKENS, "n": MAX_CHOICES,
+         "best_of": MAX_CHOICES}
 _DJL_CAPS = {"max_new_tokens": MAX_NEW_TOKENS, "min_new_tokens": MAX_NEW_TOKENS}
 GENERATING = ("/v1/chat/completions", "/v1/completions")
+# Generating routes whose length limit is required (Anthropic's), bounded but not steered.
+BOUNDED = ("/v1/messages",)
 # Fields steering leaves out: refused by name (tools, audio, suffix, best_of), or valid only in
 # combinations a schema cannot state (stream_options needs stream; logit_bias keys are token ids).
 _LEFT_OUT = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
@@ -56,11 +59,17 @@ def bound_generation(path: str, body: Any) -> Any:
     """The body with its generation lengths and choice counts capped (in place, and returned)."""
     if not isinstance(body, dict):
         return body
-    if path in GENERATING:
+    if path in BOUNDED:  # a missing limit is the server's 400 to give, not ours to fill
+        _cap(body, _CAPS)
+    elif path in GENERATING:
         _cap(body, _CAPS)
         # Without a limit (absent or null) the server may generate up to the context length.
         if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
             body["max_tokens"] = MAX_NEW_TOKENS
+    elif path == "/v1/responses":
+        _cap(body, _CAPS)
+        if body.get("max_output_tokens") is None:  # as chat: no limit, up to the context
+            body["max_output_tokens"] = MAX_NEW_TOKENS
     elif path == "/invocations":
         params = body.get("parameters")
         if isinstance(params, dict):
