@@ -387,7 +387,8 @@ def _tiny_llama(dtype: torch.dtype, smollm2: LoadedModel, heads: int = 6,
 @needs_kernel
 def test_a_bf16_cpu_engine_decodes_through_the_kernel(smollm2, make_engine, kernel):
     loaded = _tiny_llama(torch.bfloat16, smollm2)
-    eng = make_engine(loaded)
+    # No drafts: every decode step feeds one query per row, the calls the kernel takes.
+    eng = make_engine(loaded, num_speculative_tokens=0)
     assert eng.decode_kernel_layers == 2
     attention = [m for m in loaded.model.modules() if hasattr(m, "num_key_value_groups")]
     calls = []

@@ -181,7 +181,9 @@ def test_the_engine_learns_costs_only_when_asked(tiny_model, make_engine):
     off = make_engine(tiny_model, background=False, stall_ratio=0)
     assert off.scheduler.cost is None
     assert make_engine(tiny_model, background=False).scheduler.cost is not None  # the default
-    on = make_engine(tiny_model, background=False, stall_ratio=2.5, max_num_batched_tokens=64)
+    # No drafts: a random model's repetitive output would otherwise take fewer decode steps.
+    on = make_engine(tiny_model, background=False, stall_ratio=2.5, max_num_batched_tokens=64,
+                     num_speculative_tokens=0)
     seen = []
     observe = on.scheduler.cost.observe
     on.scheduler.cost.observe = lambda *args: (seen.append(args), observe(*args))
