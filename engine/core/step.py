@@ -20,7 +20,7 @@ from engine.errors import out_of_memory
 from engine.kv.batch import SubBatch
 from engine.kv.radix_cache import RadixPrefixCache
 from engine.kv.rolling_batch import RollingBatch
-from engine.kv.slabs import cache_lengths, rewind
+from engine.kv.slabs import rewind
 from engine.model.loader import LoadedModel
 from engine.model.prepare import prepare
 from engine.model.runner import Chunk, ModelRunner
@@ -151,11 +151,13 @@ class EngineCore:
             self._survive_out_of_memory(plan, exc, lost_rows(plan.joined, held), changed)
         else:
             sbs = self.batch.sub_batches
-            marks = [cache_lengths(work.cache) for work in [*sbs, *chunks]]
             results = self._execute(sbs, chunks)
             failed = [i for i, r in enumerate(results) if self._undoable(r)]
-            for i in failed:  # the step's other work stands; this is done again next step
-                rewind([*sbs, *chunks][i].cache, marks[i])
+            # The step's other work stands; a failed group's is done again next step, from the
+            # columns it held before: a sub-batch's window, a chunk's start.
+            held = [sb.width for sb in sbs] + [ch.start for ch in chunks]
+            for i in failed:
+                rewind([*sbs, *chunks][i].cache, held[i])
             self._postprocess(plan, results, changed)
             if failed:
                 self._survive_out_of_memory(plan, results[failed[0]], [], changed)

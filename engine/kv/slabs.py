@@ -70,16 +70,11 @@ class SlabCache(Cache):
     def __init__(self, layers: list[SlabLayer]):
         super().__init__(layers=layers)
 
-def cache_lengths(cache: Cache) -> list[int]:
-    """Each layer's columns, to `rewind` a forward that fails part way."""
-    return [layer.get_seq_length() for layer in cache.layers]
-
-
-def rewind(cache: Cache, lengths: list[int]) -> None:
-    """Undo what a failed forward wrote: each layer back to `lengths` columns (the layers it
-    reached had taken the step's columns, the others had not)."""
-    for layer, n in zip(cache.layers, lengths):
-        extra = layer.get_seq_length() - n
+def rewind(cache: Cache, length: int) -> None:
+    """Undo what a failed forward wrote: every layer back to the `length` columns all held
+    before it (the layers it reached had taken the step's columns, the others had not)."""
+    for layer in cache.layers:
+        extra = layer.get_seq_length() - length
         if extra <= 0:
             continue
         if isinstance(layer, SlabLayer):
