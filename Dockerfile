@@ -57,7 +57,7 @@ LABEL org.opencontainers.image.title="seqgate" \
       org.opencontainers.image.description="OpenAI-compatible LLM gateway over the seq-scheduler"
 
 # A C++ compiler: the engine compiles its CPU decode-attention kernel for the host's CPU on the
-# first start (engine/kernels/decode_attention.py; about 25 s, kept in the cache volume). Without one it runs
+# first start (engine/kernels/native.py; about 25 s, kept in the cache volume). Without one it runs
 # PyTorch's SDPA instead: 12-17% fewer output tokens/s at concurrency 32-64 on a 2-core AMD EPYC
 # (docs/benchmarks/speed.md). DL3008 is about
 # unpinned Debian packages: the base image's release pins them.

@@ -17,7 +17,14 @@ from typing import Any
 
 from app.properties import Property, read_properties
 from engine import ConfigError, EngineConfig
-from engine.config import DECODE_ATTENTION, DTYPES, POLICIES, QUANTIZE_MODES, STRATEGIES
+from engine.config import (
+    DECODE_ATTENTION,
+    DTYPES,
+    LINEAR_KERNELS,
+    POLICIES,
+    QUANTIZE_MODES,
+    STRATEGIES,
+)
 
 log = logging.getLogger("seqgate.settings")
 
@@ -269,6 +276,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("quantize", "engine", _choice(*QUANTIZE_MODES), ("option.quantize",),
            "--quantize",
            "weight-only quantisation for decoding on the CPU: none | int8 | int4"),
+    Option("linear_kernel", "engine", _choice(*LINEAR_KERNELS), ("option.linear_kernel",),
+           "--linear-kernel",
+           "fp32 CPU models: auto (seqgate's 4/8-bit block kernels for forwards of few rows, "
+           "where the weights are exact blocks, as the embedded model's are, or quantize rounds "
+           "them) | torch (PyTorch's fp32 products)"),
     Option("num_threads", "engine", _int(), ("option.num_threads",), "--num-threads",
            "torch intra-op threads for the engine (0: chosen from the cores available)"),
     Option("max_model_len", "engine", _int(), ("option.max_model_len",), "--max-model-len"),

@@ -12,6 +12,7 @@ POLICIES = ("fifo", "priority", "shortest")
 DTYPES = ("auto", "fp32", "fp16", "bf16")
 QUANTIZE_MODES = ("none", "int8", "int4")
 DECODE_ATTENTION = ("auto", "sdpa")
+LINEAR_KERNELS = ("auto", "torch")
 # Rows of an automatic max_rolling_batch_size where the KV budget does not set it (the CPU);
 # at least MAX_N (engine/request/sampling_params.py), so any job's `n` fits.
 AUTO_BATCH_ROWS = 32
@@ -93,8 +94,13 @@ class EngineConfig:
     # No step speculates while more rows than this decode: a sub-batch keeps only the drafts
     # every one of its rows accepted, and a large batch already reads each weight for many.
     speculative_max_rows: int = 4
-    # Weight-only quantisation on the CPU (engine/model/quantize.py): none | int8 | int4.
+    # Weight-only quantisation on the CPU: none | int8 | int4 (fp32 models: engine/model/lowbit.py;
+    # bf16 ones: engine/model/quantize.py).
     quantize: str = "none"
+    # Linear layers of fp32 CPU models: auto multiplies forwards of few rows through seqgate's
+    # 4/8-bit block kernels (engine/model/lowbit.py) where the weights are exact blocks or
+    # `quantize` rounds them; torch keeps PyTorch's products on the fp32 weights.
+    linear_kernel: str = "auto"
     # torch intra-op threads; 0 picks a default from the cores available.
     num_threads: int = 0
     # Context length limit; 0 means the model's max_position_embeddings.
@@ -112,6 +118,9 @@ class EngineConfig:
         if self.decoding_strategy not in STRATEGIES:
             raise ConfigError("decoding_strategy", self.decoding_strategy,
                               "one of " + ", ".join(STRATEGIES))
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ConfigError("linear_kernel", self.linear_kernel,
+                              "one of " + ", ".join(LINEAR_KERNELS))
         if self.decode_attention not in DECODE_ATTENTION:
             raise ConfigError("decode_attention", self.decode_attention,
                               "one of " + ", ".join(DECODE_ATTENTION))

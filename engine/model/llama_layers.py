@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from engine.model.lowbit import BlockLinear
 from engine.model.prepack import PrepackedLinear
 from engine.model.quantize import PackedLinear
 
@@ -45,7 +46,7 @@ _SILU = (torch.nn.SiLU, SiLUActivation)  # both compute F.silu
 def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if type(module) is torch.nn.Linear:
         return F.linear(x, module.weight, module.bias)
-    return module.forward(x)  # PackedLinear: no hooks (checked when installed)
+    return module.forward(x)  # Packed/Prepacked/BlockLinear: no hooks (checked when installed)
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -100,6 +101,8 @@ class _Stacked(NamedTuple):
 def _stack(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
     if type(parts[0]) is PackedLinear:
         return PackedLinear.stacked(parts)
+    if type(parts[0]) is BlockLinear:
+        return BlockLinear.stacked(parts)
     biases = [p.bias for p in parts]
     linear = torch.nn.Linear(parts[0].in_features, sum(p.out_features for p in parts),
                              bias=biases[0] is not None, device="meta")
@@ -216,7 +219,8 @@ def fits(layer: torch.nn.Module) -> bool:
     return (type(attn) is _llama.LlamaAttention and type(mlp) is _llama.LlamaMLP
             and all(type(n) is _llama.LlamaRMSNorm
                     for n in (layer.input_layernorm, layer.post_attention_layernorm))
-            and all(type(m) in (torch.nn.Linear, PackedLinear, PrepackedLinear) for m in linears)
+            and all(type(m) in (torch.nn.Linear, PackedLinear, PrepackedLinear, BlockLinear)
+                    for m in linears)
             and type(mlp.act_fn) in _SILU
             and not attn.training and not _hooked(layer))
 

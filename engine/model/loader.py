@@ -21,7 +21,6 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
-from engine.model.quantize import quantize_model
 
 log = logging.getLogger("seqgate.loader")
 
@@ -213,16 +212,6 @@ def load_model(config: EngineConfig) -> LoadedModel:
         raise ModelLoadError(f"cannot load model {source or DEFAULT_MODEL_NAME!r}: {exc}") from exc
     model.to(device)
     model.eval()
-    if config.quantize != "none":
-        if device.type == "cpu":
-            t = time.perf_counter()
-            report = quantize_model(model, config.quantize)
-            log.info("quantize=%s: %d layers in int4, %d in int8 (%.1f MiB packed) in %.2fs",
-                     config.quantize, report.int4_layers, report.int8_layers,
-                     report.packed_bytes / 2**20, time.perf_counter() - t)
-        else:
-            log.warning("quantize=%s runs on the CPU only: ignored on %s", config.quantize,
-                        device)
     elapsed = time.perf_counter() - start
     log.info(
         "loaded %s from %s on %s (%s) in %.2fs%s",

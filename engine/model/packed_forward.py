@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 FUSED_ATTENTION = "seqgate_fused"
 # Attribute of an attention layer holding the compiled decode kernel it runs
-# (engine.kernels.decode_attention).
+# (engine.kernels.native).
 DECODE_KERNEL_ATTR = "_seqgate_decode_kernel"
 # Attribute of a model holding the attention function `install` dispatches groups to.
 _INNER_ATTR = "_seqgate_fused_inner"
@@ -155,7 +155,7 @@ def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, 
     the same product with the query heads of a group stacked as rows (SmolLM2-135M, bf16, 2
     threads, 300 keys: 273 vs 85 µs per layer). transformers stacks them itself when a mask is
     given; this does it in every case where the mask is shared by all heads. Where
-    `use_decode_kernel` gave the layer engine.kernels.decode_attention's kernel and the kernel
+    `use_decode_kernel` gave the layer engine.kernels.native's kernel and the kernel
     takes the call, it runs instead."""
     groups = getattr(module, "num_key_value_groups", 1)
     rows, heads, q_len, dim = query.shape
@@ -183,7 +183,7 @@ def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, 
 
 def use_decode_kernel(model: torch.nn.Module, kernel) -> int:
     """Have `model`'s attention layers run one-query steps through `kernel`
-    (engine.kernels.decode_attention's operators; None: PyTorch's SDPA) where it can: the packed
+    (engine.kernels.native's operators; None: PyTorch's SDPA) where it can: the packed
     dispatcher runs SDPA (`install` on a model whose attention was transformers' SDPA) and the
     kernel is built for the model's dtype, the layer's head size and query heads per KV head.
     Returns how many layers do."""

@@ -1,22 +1,26 @@
 """Model surgery, in one place: what the engine changes in a loaded model before serving it.
 
 Each change computes what the model computed (exactly, or as closely as its dtype allows), only
-faster: the packed forward (every sub-batch and prompt chunk of a step in one forward call), bf16
-weights laid out once for oneDNN, the lean Llama layers, and the compiled decode-attention
-kernel where it builds for this host.
+faster: the packed forward (every sub-batch and prompt chunk of a step in one forward call), fp32
+weights read from 4/8-bit blocks for forwards of few rows, bf16 weights laid out once for oneDNN,
+the lean Llama layers, and the compiled decode-attention kernel where it builds for this host.
+Weight-only quantisation (`quantize`), which changes the weights, is applied here too.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.config import EngineConfig
-from engine.kernels import decode_attention
-from engine.model import llama_layers, packed_forward, prepack
+from engine.kernels import native
+from engine.model import llama_layers, lowbit, packed_forward, prepack
 from engine.model.loader import LoadedModel, cache_dir
+from engine.model.quantize import quantize_model
 
 log = logging.getLogger("seqgate.engine")
 
@@ -29,27 +33,58 @@ class Prepared:
     prepacked_layers: int
     lean_layers: int
     decode_kernel_layers: int
+    lowbit: lowbit.LowbitReport = field(default_factory=lowbit.LowbitReport)
 
 
 def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
     """Install the fast paths the configuration allows into `loaded.model` (in place)."""
     model = loaded.model
+    cpu = loaded.device.type == "cpu"
+    # Tensor parallelism's layers go through hooks, which these would bypass.
+    single = config.tensor_parallel_degree == 1
+    fp32 = model.get_output_embeddings().weight.dtype == torch.float32
+    ops = None
+    if cpu and single and ((fp32 and config.linear_kernel == "auto")
+                           or config.decode_attention == "auto"):
+        ops = native.kernels(cache_dir(config))
+    blocks = lowbit.LowbitReport()
+    if cpu and single and fp32 and ops is not None and config.linear_kernel == "auto":
+        blocks = lowbit.install(model, ops, config.quantize, cache_dir(config),
+                                native.build_key())
+        log.info("linear layers: %d in Q4_1 blocks, %d in Q8_0 (%s, %.1f MiB), the kernel "
+                 "for forwards of at most %d rows; ms per pass over all of them at n rows, "
+                 "kernel vs PyTorch: %s", blocks.q4_layers, blocks.q8_layers, blocks.mode,
+                 blocks.block_bytes / 2**20, blocks.max_rows, blocks.timings)
+    if config.quantize != "none" and blocks.mode == "off":
+        if cpu:
+            report = quantize_model(model, config.quantize)
+            log.info("quantize=%s: %d layers in int4, %d in int8 (%.1f MiB packed)",
+                     config.quantize, report.int4_layers, report.int8_layers,
+                     report.packed_bytes / 2**20)
+        else:
+            log.warning("quantize=%s runs on the CPU only: ignored on %s", config.quantize,
+                        loaded.device)
     if loaded.device.type == "cuda":
         # cuDNN's attention builds a graph per shape, and the KV length changes every decode step:
         # ~1.4 ms of host time per call on an H200 (docs/gpu.md). PyTorch's own kernels take masks.
         torch.backends.cuda.enable_cudnn_sdp(False)
     packed = config.fuse_sub_batches and packed_forward.install(model)
-    # Tensor parallelism's layers go through hooks, which these would bypass.
-    single = config.tensor_parallel_degree == 1
     prepacked = prepack.install(model) if single else 0
     lean = llama_layers.install(model) if single else 0
     kernel = None
-    if (config.decode_attention == "auto" and packed and single
-            and loaded.device.type == "cpu"
+    if (config.decode_attention == "auto" and packed and single and cpu
             and model.get_output_embeddings().weight.dtype == torch.bfloat16):
-        kernel = decode_attention.decode_attention_kernel(cache_dir(config))
+        kernel = ops
     kernel_layers = packed_forward.use_decode_kernel(model, kernel)
     if kernel is not None and not kernel_layers:
         log.info("decode attention kernel: this model's head shape is not one it vectorises; "
                  "using PyTorch's SDPA")
-    return Prepared(packed, prepacked, lean, kernel_layers)
+    return Prepared(packed, prepacked, lean, kernel_layers, blocks)
+
+
+@contextmanager
+def original_model(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block the model computes as transformers' own does: its own decoder layers,
+    linear layers on their fp32 weights (references in tests and checks)."""
+    with llama_layers.original_layers(model), lowbit.dense_products(model):
+        yield

@@ -22,8 +22,8 @@ USED_THROUGH_OTHERS = {
     "tiktoken": "transformers reads tiktoken.model tokenizer files with it "
                 "(tests/engine/test_loader.py)",
     "tokenizers": "transformers' fast tokenizers; DecodeStream for incremental detokenizing",
-    "ninja": "torch.utils.cpp_extension builds the decode-attention kernel (engine/kernels/csrc) "
-             "(engine/kernels/decode_attention.py)",
+    "ninja": "torch.utils.cpp_extension builds our kernels (engine/kernels/csrc) "
+             "(engine/kernels/native.py)",
 }
 
 

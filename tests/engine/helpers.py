@@ -6,7 +6,7 @@ import torch
 
 from engine import Engine, EngineConfig, JobHandle, LoadedModel, SamplingParams
 from engine.kv.budget import PREFIX_CACHE_SHARE, kv_bytes_per_token
-from engine.model import llama_layers as lean
+from engine.model.prepare import original_model
 
 SENTENCES = [
     "The river ran quietly past the old mill, carrying leaves from the autumn trees.",
@@ -40,7 +40,7 @@ def reference_greedy(
 ) -> list[int]:
     """transformers' own greedy decoding, one sequence, no padding (its own decoder layers, also
     where an engine gave the model lean ones)."""
-    with torch.inference_mode(), lean.original_layers(model):
+    with torch.inference_mode(), original_model(model):
         out = model.generate(
             torch.tensor([ids], device=model.device),
             max_new_tokens=max_new_tokens,

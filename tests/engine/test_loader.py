@@ -14,6 +14,7 @@ import torch
 
 from engine import EngineConfig, ModelLoadError, load_model
 from engine.model.loader import cpu_has_native_bf16, embedded_model_path, resolve_dtype
+from engine.model.prepare import original_model
 
 
 def test_embedded_model_second_load_reads_the_safetensors_cache(smollm2):
@@ -21,7 +22,7 @@ def test_embedded_model_second_load_reads_the_safetensors_cache(smollm2):
     again = load_model(EngineConfig(dtype="fp32"))
     assert again.from_cache and again.name == "SmolLM2-135M-Instruct"
     ids = smollm2.tokenizer.encode("cache check")
-    with torch.inference_mode():
+    with torch.inference_mode(), original_model(smollm2.model):  # as loaded, not as prepared
         a = smollm2.model(torch.tensor([ids])).logits
         b = again.model(torch.tensor([ids])).logits
     assert torch.equal(a, b)

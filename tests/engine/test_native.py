@@ -1,4 +1,4 @@
-"""The compiled decode-attention kernel (engine/kernels/decode_attention.py and its csrc/): it
+"""The compiled decode-attention kernel (engine/kernels/native.py and its csrc/): it
 builds where a compiler and a vector instruction set (AVX512, AVX2, NEON) are at hand, computes
 what PyTorch's SDPA computes (in bf16 no further from an fp32 reference than SDPA itself, in fp32
 within 1e-5), takes only the calls it is built for, and the engine routes one-query attention
@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from engine import EngineConfig, LoadedModel, SamplingParams
-from engine.kernels import decode_attention as native
+from engine.kernels import native
 from engine.model import packed_forward as fused
 from engine.model.loader import default_cache_dir
 
@@ -39,7 +39,7 @@ needs_kernel = pytest.mark.skipif(
 def kernel():
     if not _buildable():
         pytest.skip("no C++ compiler or no vector instruction set the kernel is built for here")
-    built = native.decode_attention_kernel(default_cache_dir())
+    built = native.kernels(default_cache_dir())
     assert built is not None, "a compiler and a vector instruction set are here, yet no kernel"
     return built
 
@@ -47,7 +47,7 @@ def kernel():
 @needs_kernel
 def test_the_kernel_builds_once_and_says_what_it_is_built_for(kernel):
     assert kernel.instruction_set() == native.instruction_set()
-    assert native.decode_attention_kernel(default_cache_dir()) is kernel  # built once
+    assert native.kernels(default_cache_dir()) is kernel  # built once
     for dtype in (torch.bfloat16, torch.float32):
         for dim in (64, 128):
             assert all(kernel.instantiated(dtype, dim, groups) for groups in range(1, 9))
@@ -59,8 +59,8 @@ def test_a_new_source_or_new_flags_make_a_new_build(tmp_path, monkeypatch):
     key = native.build_key()
     assert len(key) == 16 and key == native.build_key()
     copy = tmp_path / "decode_attention.cpp"
-    copy.write_text(native.SOURCE.read_text() + "\n// changed\n")
-    monkeypatch.setattr(native, "SOURCE", copy)
+    copy.write_text(native.SOURCES[0].read_text() + "\n// changed\n")
+    monkeypatch.setattr(native, "SOURCES", (copy, *native.SOURCES[1:]))
     assert native.build_key() != key
     monkeypatch.undo()
     monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-DSEQGATE_TEST"))
@@ -93,7 +93,7 @@ def test_an_instruction_set_the_cpu_lacks_leaves_attention_to_sdpa(tmp_path, mon
     monkeypatch.setattr(native, "_cpu_flags", lambda: AVX2_HOST)
     monkeypatch.setenv(native.ISA_ENV, "avx512")
     with caplog.at_level("WARNING", logger="seqgate.native"):
-        assert native.decode_attention_kernel(tmp_path) is None
+        assert native.kernels(tmp_path) is None
     assert "lacks avx512bw" in caplog.text and "using PyTorch's SDPA" in caplog.text
     assert not (tmp_path / "kernels").exists()  # nothing was built
     monkeypatch.setenv(native.ISA_ENV, "sse")
@@ -105,10 +105,10 @@ def test_an_instruction_set_the_cpu_lacks_leaves_attention_to_sdpa(tmp_path, mon
 @pytest.mark.timeout(300)
 def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_start(kernel, monkeypatch):
     """torch's builder waits forever on a `lock` file that a process killed mid-build left."""
-    where = default_cache_dir() / "kernels" / f"seqgate_decode_attention_{native.build_key()}"
+    where = default_cache_dir() / "kernels" / f"seqgate_native_{native.build_key()}"
     (where / "lock").write_text("")
     monkeypatch.setattr(native, "_built", {})
-    again = native.decode_attention_kernel(default_cache_dir())
+    again = native.kernels(default_cache_dir())
     assert again is not None and not (where / "lock").exists()
 
 
@@ -119,15 +119,16 @@ def test_the_same_source_elsewhere_reuses_the_build(kernel, tmp_path):
     instead of making ninja recompile it (its command names the copy in the build directory).
     torch's builder skips the build step for a source it loaded before in the same process, so
     the other start is a process of its own."""
-    where = default_cache_dir() / "kernels" / f"seqgate_decode_attention_{native.build_key()}"
+    where = default_cache_dir() / "kernels" / f"seqgate_native_{native.build_key()}"
     built = (where / "decode_attention.o").stat().st_mtime_ns
-    elsewhere = tmp_path / "csrc" / "decode_attention.cpp"
-    elsewhere.parent.mkdir()
-    elsewhere.write_bytes(native.SOURCE.read_bytes())
-    start = ("import sys, pathlib; from engine.kernels import decode_attention as native; "
+    elsewhere = tmp_path / "csrc"
+    elsewhere.mkdir()
+    for source in native.SOURCES:
+        (elsewhere / source.name).write_bytes(source.read_bytes())
+    start = ("import sys, pathlib; from engine.kernels import native; "
              "from engine.model.loader import default_cache_dir; "
-             "native.SOURCE = pathlib.Path(sys.argv[1]); "
-             "sys.exit(native.decode_attention_kernel(default_cache_dir()) is None)")
+             "native.SOURCES = tuple(pathlib.Path(sys.argv[1]) / s.name for s in native.SOURCES); "
+             "sys.exit(native.kernels(default_cache_dir()) is None)")
     subprocess.run([sys.executable, "-c", start, str(elsewhere)], check=True, timeout=290,
                    cwd=Path(native.__file__).parents[2])
     assert (where / "decode_attention.o").stat().st_mtime_ns == built
@@ -431,10 +432,10 @@ def test_a_kernel_that_cannot_build_leaves_attention_to_sdpa(tmp_path, monkeypat
     monkeypatch.setattr(native, "instruction_set", lambda: "avx2")
     monkeypatch.setattr(native, "_library", None)  # as in a process that loaded no build yet
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setattr(native, "SOURCE", Path(tmp_path / "missing.cpp"))
+    monkeypatch.setattr(native, "SOURCES", (Path(tmp_path / "missing.cpp"),))
     (tmp_path / "missing.cpp").write_text("#error this source does not compile\n")
     with caplog.at_level("WARNING", logger="seqgate.native"):
-        assert native.decode_attention_kernel(tmp_path / "cache") is None
+        assert native.kernels(tmp_path / "cache") is None
     assert "using PyTorch's SDPA" in caplog.text
 
 

@@ -1,18 +1,22 @@
 """Kernels of our own, compiled for the host CPU the first time they are needed.
 
-One so far: attention of one query token per row over a rolling batch's KV slab
-(`csrc/decode_attention.cpp`), bf16 or fp32, on the CPU. PyTorch's CPU flash-attention kernel is
-built for long query blocks; with one query per row it read the KV at about 8 GB/s and took
-29-40% of a decode step's CPU time at 32 rows (torch.profiler, docs/benchmarks/speed.md). No
-well-kept library ships a CPU decode-attention kernel for this torch (IPEX stopped at 2.8,
-vLLM's and llama.cpp's are inside their own servers), so this is a small one of ours.
+Two so far, built into one library. Attention of one query token per row over a rolling
+batch's KV slab (`csrc/decode_attention.cpp`), bf16 or fp32, on the CPU: PyTorch's CPU
+flash-attention kernel is built for long query blocks; with one query per row it read the KV at
+about 8 GB/s and took 29-40% of a decode step's CPU time at 32 rows (torch.profiler,
+docs/benchmarks/speed.md). No well-kept library ships a CPU decode-attention kernel for this
+torch (IPEX stopped at 2.8, vLLM's and llama.cpp's are inside their own servers), so this is a
+small one of ours. And linear layers over weights in 4- and 8-bit blocks for forwards of few
+rows (`csrc/lowbit_linear.cpp`, engine.model.lowbit): PyTorch's own weight-only kernels are fast
+on AVX512 only.
 
-It is written over ATen's `Vectorized<float>`, as PyTorch's own CPU kernels are, and built for
+They are written over ATen's `Vectorized<float>`, as PyTorch's own CPU kernels are, and built for
 the best vector instruction set the CPU has: AVX512 (F, BW, VL, DQ), else AVX2 (with FMA and
 F16C), else NEON on ARM; a CPU with none of them runs PyTorch's SDPA. `SEQGATE_KERNEL_ISA=avx2`
 builds the AVX2 kernel on an AVX512 CPU (to test that path there); naming one the CPU lacks
-leaves attention to SDPA. The library registers `torch.ops.seqgate.decode_attention` (and
-`instantiated`, `instruction_set`); one build of it can be loaded per process.
+leaves attention to SDPA and linear layers to PyTorch. The library registers
+`torch.ops.seqgate.decode_attention`, `q4_linear`, `q8_linear` (and `instantiated`,
+`instruction_set`); one build of it can be loaded per process.
 
 It is built with torch's own extension builder (`torch.utils.cpp_extension`, ninja and the
 system's C++ compiler) into the cache directory under a name keyed by its source, the flags,
@@ -41,7 +45,8 @@ import torch
 
 log = logging.getLogger("seqgate.native")
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("decode_attention.cpp", "lowbit_linear.cpp"))
 # OpenMP: without it `at::parallel_for` runs on one thread (it links to torch's own libgomp).
 FLAGS = ("-O3", "-fopenmp")
 ISA_ENV = "SEQGATE_KERNEL_ISA"
@@ -58,19 +63,22 @@ _ISAS = {
 }
 
 _lock = threading.Lock()
-_built: dict[Path, DecodeAttention | None] = {}
+_built: dict[Path, Native | None] = {}
 _library: Path | None = None  # the build loaded in this process
 
 
-class DecodeAttention:
-    """The loaded kernel's operators: `decode_attention(query, key, value, mask, scale)` (the
-    attention, or None for a call it does not take: then SDPA), `instantiated(dtype, head_dim,
-    groups)` and `instruction_set()`."""
+class Native:
+    """The loaded library's operators: `decode_attention(query, key, value, mask, scale)` (the
+    attention, or None for a call it does not take: then SDPA), `q4_linear(x, q, d, m)`,
+    `q8_linear(x, q, d)` (engine.model.lowbit), `instantiated(dtype, head_dim, groups)` and
+    `instruction_set()`."""
 
     def __init__(self, library: Path):
         ops = torch.ops.seqgate
         self.library = library
         self.decode_attention = ops.decode_attention.default
+        self.q4_linear = ops.q4_linear.default
+        self.q8_linear = ops.q8_linear.default
         self.instantiated = ops.instantiated.default
         self.instruction_set = ops.instruction_set.default
 
@@ -129,11 +137,13 @@ def _flags(isa: str) -> list[str]:
 
 
 def build_key(isa: str | None = None) -> str:
-    """What a built kernel depends on: source, flags (the instruction set's among them),
+    """What a built library depends on: sources, flags (the instruction set's among them),
     compiler, Python, torch (version and place), the CPU's ISA."""
     isa = isa or instruction_set() or "none"
     cpu = " ".join(sorted(f for f in _cpu_flags().split() if _ISA.match(f)))
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for source in SOURCES:
+        h.update(source.read_bytes() + b"\0")
     for part in (*(_flags(isa) if isa in _ISAS else FLAGS), _compiler(),
                  platform.python_version(), torch.__version__, *_installation(), cpu):
         h.update(part.encode() + b"\0")
@@ -147,19 +157,20 @@ def _failure(exc: Exception) -> str:
     return (errors[0] if errors else lines[-1] if lines else type(exc).__name__)[:300]
 
 
-def decode_attention_kernel(cache_dir: Path) -> DecodeAttention | None:
-    """The decode-attention kernel's operators, built under `cache_dir/kernels` on first use;
-    None where it cannot be built or this CPU has no vector instruction set it is built for."""
+def kernels(cache_dir: Path) -> Native | None:
+    """The native library's operators, built under `cache_dir/kernels` on first use; None where
+    it cannot be built or this CPU has no vector instruction set it is built for."""
     try:
         isa = instruction_set()
     except ValueError as exc:
-        log.warning("decode attention kernel unavailable, using PyTorch's SDPA (%s)", exc)
+        log.warning("native kernels unavailable, using PyTorch's SDPA and linear layers (%s)",
+                    exc)
         return None
     if isa is None:
-        log.info("decode attention kernel: no AVX2, AVX512 or NEON on this CPU, "
-                 "using PyTorch's SDPA")
+        log.info("native kernels: no AVX2, AVX512 or NEON on this CPU, "
+                 "using PyTorch's SDPA and linear layers")
         return None
-    name = f"seqgate_decode_attention_{build_key(isa)}"
+    name = f"seqgate_native_{build_key(isa)}"
     where = Path(cache_dir) / "kernels" / name
     with _lock:
         if where in _built:
@@ -167,19 +178,19 @@ def decode_attention_kernel(cache_dir: Path) -> DecodeAttention | None:
         start = time.perf_counter()
         try:
             kernel = _build(name, where, isa)
-        except Exception as exc:  # no compiler, no ninja, a failed build: SDPA instead
-            log.warning("decode attention kernel unavailable, using PyTorch's SDPA (%s)",
-                        _failure(exc))
-            log.debug("decode attention kernel build failed", exc_info=True)
+        except Exception as exc:  # no compiler, no ninja, a failed build: PyTorch's own
+            log.warning("native kernels unavailable, using PyTorch's SDPA and linear layers "
+                        "(%s)", _failure(exc))
+            log.debug("native kernel build failed", exc_info=True)
             kernel = None
         else:
-            log.info("decode attention kernel (%s) ready in %.1f s (%s)",
+            log.info("native kernels (%s) ready in %.1f s (%s)",
                      kernel.instruction_set(), time.perf_counter() - start, where)
         _built[where] = kernel
         return kernel
 
 
-def _build(name: str, where: Path, isa: str) -> DecodeAttention:
+def _build(name: str, where: Path, isa: str) -> Native:
     """Build (or load) the library in `where`, one process at a time, and load it.
 
     torch's builder waits, without a deadline, for a `lock` file that a process killed while
@@ -187,8 +198,8 @@ def _build(name: str, where: Path, isa: str) -> DecodeAttention:
     serialised by an flock instead, which the kernel releases when its holder dies; under it,
     any `lock` file left in the build directory is stale and is removed.
 
-    It compiles a copy of the source kept in the build directory: ninja rebuilds whenever the
-    compile command changes, and the command names the source's path, so two checkouts sharing
+    It compiles copies of the sources kept in the build directory: ninja rebuilds whenever the
+    compile command changes, and the command names the sources' paths, so two checkouts sharing
     a cache and an installation would otherwise rebuild (25-30 s) each time the other had
     started. The directory's name is keyed by the source's content, so the copy is always the
     same (and by the installation, whose paths the command names too: `_installation`).
@@ -206,14 +217,16 @@ def _build(name: str, where: Path, isa: str) -> DecodeAttention:
         fcntl.flock(held, fcntl.LOCK_EX)
         try:
             (where / "lock").unlink(missing_ok=True)
-            source = where / SOURCE.name
-            text = SOURCE.read_bytes()
-            if not source.is_file() or source.read_bytes() != text:
-                source.write_bytes(text)
-            cpp_extension.load(name, [str(source)], extra_cflags=_flags(isa),
+            copies = []
+            for source in SOURCES:
+                copy, text = where / source.name, source.read_bytes()
+                if not copy.is_file() or copy.read_bytes() != text:
+                    copy.write_bytes(text)
+                copies.append(str(copy))
+            cpp_extension.load(name, copies, extra_cflags=_flags(isa),
                                extra_ldflags=["-fopenmp"], build_directory=str(where),
                                is_python_module=False, verbose=False)
         finally:
             fcntl.flock(held, fcntl.LOCK_UN)
     _library = library
-    return DecodeAttention(library)
+    return Native(library)

@@ -1,0 +1,211 @@
+// Linear layers over weights stored in 4 or 8 bits, for forwards of a few rows, on the CPU.
+//
+// A decode step at low concurrency reads every weight once and does little arithmetic with
+// each, so its time is the bytes it reads. These products read weights in two block formats of
+// 32 input columns per output row, each block with fp16 constants, and compute in fp32:
+//   q4: w = q * d + m, q in 0..15 packed two to a byte (byte j: column j low, j + 16 high);
+//   q8: w = q * d,     q in -128..127.
+// They are llama.cpp's Q4_1 and Q8_0, the formats the embedded model ships in: each weight is
+// rebuilt with one fused multiply-add (q * d is exact in fp32, so it rounds once, as the
+// de-quantiser that produced the fp32 model did) and multiplied in fp32, so for such a model the
+// products use exactly the fp32 model's weights at a fifth of their bytes. Each output element
+// is summed in its own order (per-lane partial sums, then across lanes), as any other matrix
+// product's blocking does.
+//
+// Written over ATen's Vectorized<float>; the weights' unpacking is in intrinsics for AVX2 and
+// AVX512, else a scalar loop. Registered as torch.ops.seqgate.q4_linear / q8_linear (the
+// library is built by engine/kernels/native.py); checked in tests/engine/test_lowbit.py.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int kLanes = Vec::size();
+constexpr int kBlock = 32;                 // input columns per block
+constexpr int kPer = kBlock / kLanes;      // vectors per block
+constexpr int kMaxRows = 8;                // input rows one pass over the weights serves
+constexpr int64_t kTile = 32;              // output rows whose weights one pass keeps cached
+
+template <int N>
+struct Vecs {  // N vectors meant for registers (no constructor loop; see decode_attention.cpp)
+  union { Vec v[N]; };
+  Vecs() {}
+  Vec& operator[](int i) { return v[i]; }
+};
+
+// A block's 32 q values as floats, kPer vectors.
+inline void unpack_q4(const uint8_t* p, Vecs<kPer>& q) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i low = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+  q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low));
+  q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i low = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+  q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
+  q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
+  q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
+  q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
+#else
+  alignas(64) float f[kBlock];
+  for (int j = 0; j < kBlock / 2; ++j) {
+    f[j] = static_cast<float>(p[j] & 0x0F);
+    f[j + kBlock / 2] = static_cast<float>(p[j] >> 4);
+  }
+  for (int k = 0; k < kPer; ++k) q[k] = Vec::loadu(f + k * kLanes);
+#endif
+}
+
+inline void unpack_q8(const int8_t* p, Vecs<kPer>& q) {
+#if defined(CPU_CAPABILITY_AVX512)
+  for (int k = 0; k < 2; ++k)
+    q[k] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * k))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  for (int k = 0; k < 4; ++k)
+    q[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * k))));
+#else
+  alignas(64) float f[kBlock];
+  for (int j = 0; j < kBlock; ++j) f[j] = static_cast<float>(p[j]);
+  for (int k = 0; k < kPer; ++k) q[k] = Vec::loadu(f + k * kLanes);
+#endif
+}
+
+struct Weights {
+  const uint8_t* q;     // [out, blocks * bytes per block]
+  const at::Half* d;    // [out, blocks]
+  const at::Half* m;    // [out, blocks], q4 only
+  int64_t blocks, row_bytes;
+};
+
+// y[r, o] for R input rows and output rows [begin, end): each block's weights are rebuilt once
+// and serve all R rows. One or two rows get a partial sum per vector of the block (enough
+// independent sums to keep the multiply-add units busy); more rows get one each.
+template <bool Q4, int R>
+void rows(const Weights& w, const float* x, int64_t ldx, float* y, int64_t ldy,
+          int64_t begin, int64_t end) {
+  constexpr int A = R <= 2 ? kPer : 1;
+  for (int64_t o = begin; o < end; ++o) {
+    Vecs<R * A> acc;
+    for (int i = 0; i < R * A; ++i) acc[i] = Vec(0.f);
+    const uint8_t* qrow = w.q + o * w.row_bytes;
+    const at::Half* drow = w.d + o * w.blocks;
+    const at::Half* mrow = Q4 ? w.m + o * w.blocks : nullptr;
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      Vecs<kPer> wv;
+      const Vec d(static_cast<float>(drow[b]));
+      if constexpr (Q4) {
+        unpack_q4(qrow + b * (kBlock / 2), wv);
+        const Vec m(static_cast<float>(mrow[b]));
+        for (int k = 0; k < kPer; ++k) wv[k] = at::vec::fmadd(wv[k], d, m);
+      } else {
+        unpack_q8(reinterpret_cast<const int8_t*>(qrow) + b * kBlock, wv);
+        for (int k = 0; k < kPer; ++k) wv[k] = wv[k] * d;
+      }
+      const float* xb = x + b * kBlock;
+      for (int r = 0; r < R; ++r)
+        for (int k = 0; k < kPer; ++k)
+          acc[r * A + k % A] =
+              at::vec::fmadd(wv[k], Vec::loadu(xb + r * ldx + k * kLanes), acc[r * A + k % A]);
+    }
+    for (int r = 0; r < R; ++r) {
+      Vec s = acc[r * A];
+      for (int a = 1; a < A; ++a) s = s + acc[r * A + a];
+      y[r * ldy + o] = at::vec::vec_reduce_all<float>(
+          [](const Vec& u, const Vec& v) { return u + v; }, s);
+    }
+  }
+}
+
+template <bool Q4>
+void rows_any(int n, const Weights& w, const float* x, int64_t ldx, float* y, int64_t ldy,
+              int64_t begin, int64_t end) {
+  switch (n) {
+    case 1: return rows<Q4, 1>(w, x, ldx, y, ldy, begin, end);
+    case 2: return rows<Q4, 2>(w, x, ldx, y, ldy, begin, end);
+    case 3: return rows<Q4, 3>(w, x, ldx, y, ldy, begin, end);
+    case 4: return rows<Q4, 4>(w, x, ldx, y, ldy, begin, end);
+    case 5: return rows<Q4, 5>(w, x, ldx, y, ldy, begin, end);
+    case 6: return rows<Q4, 6>(w, x, ldx, y, ldy, begin, end);
+    case 7: return rows<Q4, 7>(w, x, ldx, y, ldy, begin, end);
+    default: return rows<Q4, 8>(w, x, ldx, y, ldy, begin, end);
+  }
+}
+
+void check(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, int64_t row_bytes) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.stride(1) == 1, "x: a CPU float32 matrix with contiguous rows");
+  TORCH_CHECK(x.size(1) % kBlock == 0, "x: columns a multiple of 32");
+  const int64_t blocks = x.size(1) / kBlock;
+  TORCH_CHECK(q.is_contiguous() && q.dim() == 2 && q.size(1) == blocks * row_bytes,
+              "weights: [out, ", blocks * row_bytes, "] contiguous");
+  TORCH_CHECK(d.is_contiguous() && d.scalar_type() == at::kHalf && d.dim() == 2 &&
+                  d.size(0) == q.size(0) && d.size(1) == blocks,
+              "scales: [out, ", blocks, "] float16 contiguous");
+}
+
+template <bool Q4>
+at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t out) {
+  at::Tensor y = at::empty({x.size(0), out}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldx = x.stride(0), n = x.size(0);
+  // Output rows split across threads; every thread sees all input rows, kMaxRows at a time,
+  // over a tile of output rows whose weights stay in the core's cache between row groups.
+  at::parallel_for(0, out, kTile, [&](int64_t begin, int64_t end) {
+    for (int64_t o0 = begin; o0 < end; o0 += kTile)
+      for (int64_t r0 = 0; r0 < n; r0 += kMaxRows)
+        rows_any<Q4>(static_cast<int>(std::min<int64_t>(kMaxRows, n - r0)), w,
+                     xp + r0 * ldx, ldx, yp + r0 * out, out, o0, std::min(o0 + kTile, end));
+  });
+  return y;
+}
+
+// x [rows, in] float32; q [out, in / 2] uint8; d, m [out, in / 32] float16 -> [rows, out].
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d,
+                     const at::Tensor& m) {
+  check(x, q, d, kBlock / 2);
+  TORCH_CHECK(q.scalar_type() == at::kByte, "weights: uint8");
+  TORCH_CHECK(m.is_contiguous() && m.scalar_type() == at::kHalf && m.sizes() == d.sizes(),
+              "mins: shaped as the scales, float16 contiguous");
+  const Weights w{q.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m.data_ptr<at::Half>(),
+                  d.size(1), q.size(1)};
+  return linear<true>(x, w, q.size(0));
+}
+
+// x [rows, in] float32; q [out, in] int8; d [out, in / 32] float16 -> [rows, out].
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d) {
+  check(x, q, d, kBlock);
+  TORCH_CHECK(q.scalar_type() == at::kChar, "weights: int8");
+  const Weights w{reinterpret_cast<const uint8_t*>(q.data_ptr<int8_t>()),
+                  d.data_ptr<at::Half>(), nullptr, d.size(1), q.size(1)};
+  return linear<false>(x, w, q.size(0));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(seqgate, m) {
+  m.def("q4_linear(Tensor x, Tensor q, Tensor d, Tensor m) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor q, Tensor d) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(seqgate, CPU, m) {
+  m.impl("q4_linear", &q4_linear);
+  m.impl("q8_linear", &q8_linear);
+}

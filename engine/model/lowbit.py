@@ -1,0 +1,318 @@
+"""Linear layers over weights in 4- and 8-bit blocks, multiplied by our own CPU kernels in
+forwards of few rows (engine/kernels/csrc/lowbit_linear.cpp), by PyTorch on fp32 weights in
+larger ones.
+
+A decode step at low concurrency reads every weight once and is bound by memory bandwidth: on
+an AVX2 CPU without native bf16 the engine runs fp32, and SmolLM2-135M's linear layers read
+about 540 MB a token. The blocks are llama.cpp's Q4_1 (per 32 input columns a 4-bit q, w = q *
+d + m, d and m fp16) and Q8_0 (8-bit q, w = q * d): about a fifth and a quarter of fp32's bytes.
+
+A layer gets blocks in one of two ways:
+- exactly, with nothing asked for: a model de-quantised from GGUF's Q4_1 or Q8_0 (the embedded
+  SmolLM2 is Q4_1 with a Q8_0 embedding) holds fp32 weights that those blocks represent
+  without loss, and `exact_blocks` finds them (or says a layer has none). The kernel rebuilds
+  each weight in fp32 as the de-quantiser did, so the products use the fp32 model's very
+  weights; only the order of each dot product's additions differs, as between any two matrix
+  product implementations.
+- by rounding (`quantize=int4` or `int8` on an fp32 model): the layers' weights are rounded to
+  Q4_1 (the output head to Q8_0, as llama.cpp's files keep it) or to Q8_0, and both paths
+  compute with the rounded weights.
+
+Which forwards go to the kernel is measured on the host (`choose_max_rows`): the kernel reads
+fewer bytes but does more work per weight than a BLAS product, so past some row count PyTorch's
+fp32 product on the de-quantised weights is faster. The choice is cached per machine, kernel
+build, model shape and thread count.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("seqgate.engine")
+
+BLOCK = 32  # input columns per block
+# Row counts the kernel is timed at against PyTorch's product (decode rows and drafts).
+CANDIDATE_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A weight [out, in] in blocks: q (q4: [out, in / 2] uint8, two columns a byte; q8:
+    [out, in] int8), d and m ([out, in / 32] float16; m None for q8)."""
+
+    kind: str
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
+
+    def dense(self) -> torch.Tensor:
+        """The fp32 weights the blocks hold, rounded as the kernel rebuilds them."""
+        d = self.d.float()[..., None]
+        if self.kind == "q8":
+            q = self.q.float().view(*self.d.shape, BLOCK)
+            return (q * d).flatten(1)
+        low, high = (self.q & 0x0F), (self.q >> 4)
+        q = torch.cat([low.view(*self.d.shape, BLOCK // 2), high.view(*self.d.shape, BLOCK // 2)],
+                      dim=-1).float()
+        return (q * d + self.m.float()[..., None]).flatten(1)
+
+
+def _q4(weight: torch.Tensor, exact: bool) -> Blocks | None:
+    w = weight.detach().float()
+    rows, cols = w.shape
+    g = w.view(rows, cols // BLOCK, BLOCK)
+    lo, hi = g.amin(-1), g.amax(-1)
+    d, m = ((hi - lo) / 15).half(), lo.half()
+    df, mf = d.float()[..., None], m.float()[..., None]
+    q = torch.where(df > 0, (g - mf) / df.clamp(min=torch.finfo(torch.float32).tiny),
+                    0).round().clamp(0, 15)
+    if exact and not torch.equal(q * df + mf, g):
+        return None
+    q = q.to(torch.uint8)
+    packed = (q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)).reshape(rows, cols // 2)
+    return Blocks("q4", packed.contiguous(), d.contiguous(), m.contiguous())
+
+
+def _q8(weight: torch.Tensor, exact: bool) -> Blocks | None:
+    w = weight.detach().float()
+    rows, cols = w.shape
+    g = w.view(rows, cols // BLOCK, BLOCK)
+    d = (g.abs().amax(-1) / 127).half()
+    df = d.float()[..., None]
+    q = torch.where(df > 0, g / df.clamp(min=torch.finfo(torch.float32).tiny),
+                    0).round().clamp(-128, 127)
+    if exact and not torch.equal(q * df, g):
+        return None
+    return Blocks("q8", q.to(torch.int8).reshape(rows, cols).contiguous(), d.contiguous(), None)
+
+
+def exact_blocks(weight: torch.Tensor) -> Blocks | None:
+    """Q4_1 or Q8_0 blocks holding exactly these fp32 weights; None where neither does."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
+        return None
+    return _q4(weight, exact=True) or _q8(weight, exact=True)
+
+
+def rounded_blocks(weight: torch.Tensor, kind: str) -> Blocks | None:
+    """The weights rounded to `kind` blocks; None where they do not fit (columns not a multiple
+    of 32, or values beyond float16's range)."""
+    if weight.dim() != 2 or weight.shape[1] % BLOCK or not torch.isfinite(weight).all():
+        return None
+    blocks = _q4(weight, exact=False) if kind == "q4" else _q8(weight, exact=False)
+    ok = torch.isfinite(blocks.d).all() and (blocks.m is None or torch.isfinite(blocks.m).all())
+    return blocks if ok else None
+
+
+class BlockLinear(torch.nn.Module):
+    """A linear layer whose fp32 `weight` is also held in blocks: forwards of at most
+    `max_rows` rows multiply through the kernel, larger ones through `F.linear`."""
+
+    def __init__(self, linear: torch.nn.Linear, blocks: Blocks, ops, max_rows: int,
+                 weight: torch.nn.Parameter | None = None):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # Exact blocks share the layer's Parameter (a head tied to the embeddings stays tied);
+        # rounded ones bring their own.
+        self.weight = linear.weight if weight is None else weight
+        self.bias = linear.bias
+        self.kind = blocks.kind
+        # Not in the state dict: the blocks are derived from `weight`, and the model's saved
+        # state stays transformers' own.
+        self.register_buffer("q", blocks.q, persistent=False)
+        self.register_buffer("d", blocks.d, persistent=False)
+        self.register_buffer("m", blocks.m, persistent=False)
+        self.ops = ops
+        self.max_rows = max_rows
+        self.rounded = False  # True where `install` rounded the weights (quantize)
+
+    @classmethod
+    def stacked(cls, parts: list[BlockLinear]) -> BlockLinear | None:
+        """One layer computing `parts` side by side; the parts then read views of its weights
+        and blocks (a block never spans two output rows, so rows stack exactly)."""
+        first = parts[0]
+        if any(p.kind != first.kind or p.in_features != first.in_features
+               or (p.bias is None) != (first.bias is None) for p in parts):
+            return None
+        plain = torch.nn.Linear(first.in_features, sum(p.out_features for p in parts),
+                                bias=first.bias is not None, device="meta")
+        plain.weight = torch.nn.Parameter(torch.cat([p.weight for p in parts]),
+                                          requires_grad=False)
+        if first.bias is not None:
+            plain.bias = torch.nn.Parameter(torch.cat([p.bias for p in parts]),
+                                            requires_grad=False)
+        blocks = Blocks(first.kind, torch.cat([p.q for p in parts]),
+                        torch.cat([p.d for p in parts]),
+                        None if first.m is None else torch.cat([p.m for p in parts]))
+        layer = cls(plain, blocks, first.ops, first.max_rows)
+        sizes = [p.out_features for p in parts]
+        for p, w, q, d, m in zip(parts, plain.weight.split(sizes), blocks.q.split(sizes),
+                                 blocks.d.split(sizes),
+                                 blocks.m.split(sizes) if blocks.m is not None
+                                 else [None] * len(parts)):
+            p.weight = torch.nn.Parameter(w, requires_grad=False)
+            p.q, p.d, p.m = q, d, m
+        return layer
+
+    def kernel_product(self, flat: torch.Tensor) -> torch.Tensor:
+        """`flat` [rows, in_features] (fp32, rows contiguous) times the weights, no bias."""
+        if self.kind == "q4":
+            return self.ops.q4_linear(flat, self.q, self.d, self.m)
+        return self.ops.q8_linear(flat, self.q, self.d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] > self.max_rows or x.dtype != torch.float32 or x.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        out = self.kernel_product(flat.contiguous()).view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"kind={self.kind}, max_rows={self.max_rows}")
+
+
+@dataclass(frozen=True)
+class LowbitReport:
+    """What `install` did: layers per block kind, how they got their blocks, the blocks' bytes,
+    and the row count the kernel serves up to (with the timings it was chosen by)."""
+
+    q4_layers: int = 0
+    q8_layers: int = 0
+    mode: str = "off"  # off | exact | int4 | int8
+    block_bytes: int = 0
+    max_rows: int = 0
+    timings: dict | None = None
+
+
+def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
+            build_key: str = "") -> LowbitReport:
+    """Give the fp32 CPU linear layers of `model` blocks (in place): exact ones where
+    `quantize` is none, rounded ones for int4 (layers Q4_1, the output head Q8_0) and int8
+    (all Q8_0). Layers with hooks, or whose shape or values do not fit, stay as they are."""
+    head = model.get_output_embeddings()
+    made: list[tuple[torch.nn.Module, str, BlockLinear]] = []
+    kept: list[BlockLinear] = []  # an earlier engine's over the same model
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is BlockLinear:
+                kept.append(child)
+                continue
+            if (type(child) is not torch.nn.Linear or child.weight.dtype != torch.float32
+                    or child.weight.device.type != "cpu"
+                    or child._forward_hooks or child._forward_pre_hooks):
+                continue
+            if quantize == "none":
+                blocks, weight = exact_blocks(child.weight), None
+            else:
+                kind = "q4" if quantize == "int4" and child is not head else "q8"
+                blocks = rounded_blocks(child.weight, kind)
+                weight = None if blocks is None else torch.nn.Parameter(
+                    blocks.dense(), requires_grad=False)
+            if blocks is not None:
+                layer = BlockLinear(child, blocks, ops, 0, weight)
+                layer.rounded = weight is not None
+                made.append((parent, name, layer))
+    for parent, name, layer in made:
+        setattr(parent, name, layer)
+    layers = [*kept, *(layer for _, _, layer in made)]
+    if not layers:
+        return LowbitReport()
+    max_rows, timings = _max_rows(layers, cache, build_key)
+    for layer in layers:
+        layer.ops, layer.max_rows = ops, max_rows
+    return LowbitReport(
+        sum(b.kind == "q4" for b in layers), sum(b.kind == "q8" for b in layers),
+        quantize if any(b.rounded for b in layers) else "exact",
+        sum(t.numel() * t.element_size() for b in layers for t in (b.q, b.d, b.m)
+            if t is not None), max_rows, timings)
+
+
+def _signature(layers: list[BlockLinear], build_key: str) -> str:
+    shapes = sorted({(b.kind, b.out_features, b.in_features) for b in layers})
+    return json.dumps([build_key, torch.get_num_threads(), len(layers), shapes])
+
+
+def _max_rows(layers: list[BlockLinear], cache: Path | None,
+              build_key: str) -> tuple[int, dict | None]:
+    """The measured row count (from the cache where this machine measured it before)."""
+    path = None if cache is None else Path(cache) / "kernels" / "lowbit-rows.json"
+    key = _signature(layers, build_key)
+    try:
+        known = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]["max_rows"], known[key]["timings"]
+    max_rows, timings = choose_max_rows(layers)
+    if path is not None:
+        known[key] = {"max_rows": max_rows, "timings": timings}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{time.monotonic_ns()}.tmp")
+            tmp.write_text(json.dumps(known, indent=1))
+            tmp.replace(path)
+        except OSError as exc:
+            log.warning("could not cache the low-bit kernel's row choice at %s: %s", path, exc)
+    return max_rows, timings
+
+
+def choose_max_rows(layers: list[BlockLinear], rows: tuple[int, ...] = CANDIDATE_ROWS
+                    ) -> tuple[int, dict]:
+    """The largest row count at which one pass over every layer is faster through the kernel
+    than through PyTorch's fp32 product, and the timings (ms, best of two) it was chosen by.
+    Every layer of the model takes part, so the weights come from memory as in a decode step;
+    it stops after two row counts in a row where PyTorch wins."""
+    timings: dict[str, list[float]] = {}
+    best, losses = 0, 0
+    inputs: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for n in rows:
+            for layer in layers:
+                if layer.in_features not in inputs or inputs[layer.in_features].shape[0] != n:
+                    inputs[layer.in_features] = torch.randn(n, layer.in_features)
+            kernel = _best_of(2, lambda: [b.kernel_product(inputs[b.in_features])
+                                          for b in layers])
+            dense = _best_of(2, lambda: [F.linear(inputs[b.in_features], b.weight)
+                                         for b in layers])
+            timings[str(n)] = [round(kernel * 1e3, 3), round(dense * 1e3, 3)]
+            if kernel < dense:
+                best, losses = n, 0
+            else:
+                losses += 1
+                if losses == 2:
+                    break
+    return best, timings
+
+
+def _best_of(times: int, work) -> float:
+    work()  # once to warm up
+    best = float("inf")
+    for _ in range(times):
+        start = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@contextmanager
+def dense_products(model: torch.nn.Module) -> Iterator[int]:
+    """Within the block every BlockLinear multiplies through `F.linear` on its fp32 weights
+    (tests compare the engine against transformers on the model's own products); yields how
+    many layers were switched."""
+    saved = {m: m.max_rows for m in model.modules() if isinstance(m, BlockLinear)}
+    for m in saved:
+        m.max_rows = 0
+    try:
+        yield len(saved)
+    finally:
+        for m, rows in saved.items():
+            m.max_rows = rows

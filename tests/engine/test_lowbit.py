@@ -1,0 +1,222 @@
+"""Linear layers over 4/8-bit blocks (engine/model/lowbit.py and csrc/lowbit_linear.cpp): the
+kernel computes the layer of the weights the blocks hold, exact blocks are found where the
+fp32 weights are Q4_1 or Q8_0 (the embedded model's) and nowhere else, the row count the
+kernel serves up to is measured and cached, and greedy decoding with it equals transformers'
+`generate` on the fp32 model, exact and rounded (`quantize=int4`)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from engine import EngineConfig, LoadedModel, SamplingParams
+from engine.kernels import native
+from engine.model import lowbit
+from engine.model.lowbit import BLOCK, BlockLinear, exact_blocks, rounded_blocks
+from engine.model.prepare import original_model, prepare
+from tests.engine.helpers import collect, reference_greedy, varied_prompts
+from tests.engine.test_native import needs_kernel
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from engine.model.loader import default_cache_dir
+
+    built = native.kernels(default_cache_dir()) if native.instruction_set() else None
+    if built is None:
+        pytest.skip("no native kernels on this machine")
+    return built
+
+
+def _q4_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """fp32 weights as a Q4_1 de-quantiser makes them: q * d + m, d and m float16."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (rows, cols // BLOCK, BLOCK), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    d = (torch.rand(rows, cols // BLOCK, 1, generator=g) * 0.02 + 1e-3).half().float()
+    m = (torch.randn(rows, cols // BLOCK, 1, generator=g) * 0.1).half().float()
+    return (q * d + m).flatten(1)
+
+
+def _q8_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (rows, cols // BLOCK, BLOCK), generator=g).float()
+    q[..., 0] = 127
+    d = (torch.rand(rows, cols // BLOCK, 1, generator=g) * 0.01 + 1e-4).half().float()
+    return (q * d).flatten(1)
+
+
+def test_exact_blocks_are_found_only_where_the_weights_are_blocks():
+    for make, kind in ((_q4_weight, "q4"), (_q8_weight, "q8")):
+        weight = make(48, 4 * BLOCK)
+        blocks = exact_blocks(weight)
+        assert blocks is not None and blocks.kind == kind
+        assert torch.equal(blocks.dense(), weight)  # bit for bit
+    noisy = _q4_weight(48, 4 * BLOCK)
+    noisy[3, 5] += 1e-4  # one weight off the grid: the layer has no exact blocks
+    assert exact_blocks(noisy) is None
+    assert exact_blocks(torch.randn(48, 4 * BLOCK)) is None
+    assert exact_blocks(_q4_weight(48, 4 * BLOCK).bfloat16()) is None  # fp32 only
+    assert exact_blocks(torch.zeros(8, BLOCK)) is not None  # d = 0: every weight is m
+
+
+def test_rounded_blocks_stay_close_and_refuse_what_they_cannot_hold():
+    torch.manual_seed(0)
+    weight = torch.randn(64, 4 * BLOCK)
+    for kind, bound in (("q4", 0.07), ("q8", 0.005)):
+        blocks = rounded_blocks(weight, kind)
+        err = (blocks.dense() - weight).abs().max() / weight.abs().max()
+        assert blocks.kind == kind and 0 < err < bound
+    assert rounded_blocks(torch.randn(8, BLOCK + 1), "q4") is None
+    assert rounded_blocks(torch.full((8, BLOCK), 1e7), "q8") is None  # scale beyond float16
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 7, 8, 9, 17])
+def test_the_kernel_computes_the_layer_of_the_blocks_weights(ops, kind, rows):
+    weight = (_q4_weight if kind == "q4" else _q8_weight)(40, 3 * BLOCK, seed=rows)
+    linear = torch.nn.Linear(3 * BLOCK, 40, bias=True)
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    layer = BlockLinear(linear, exact_blocks(weight), ops, max_rows=64)
+    x = torch.randn(rows, 3 * BLOCK)
+    want = torch.nn.functional.linear(x, weight, linear.bias)
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    # a [batch, tokens, features] layout, rows not contiguous, as models call it
+    wide = torch.randn(1, rows, 5 * BLOCK)[..., :3 * BLOCK]
+    torch.testing.assert_close(layer(wide), torch.nn.functional.linear(wide, weight, linear.bias),
+                               rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_the_kernel_refuses_what_it_does_not_take(ops):
+    blocks = exact_blocks(_q4_weight(16, 2 * BLOCK))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.q4_linear(torch.randn(2, 2 * BLOCK).bfloat16(), blocks.q, blocks.d, blocks.m)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.q4_linear(torch.randn(2, 2 * BLOCK - 1), blocks.q, blocks.d, blocks.m)
+    with pytest.raises(RuntimeError, match="weights"):
+        ops.q4_linear(torch.randn(2, 4 * BLOCK), blocks.q, blocks.d, blocks.m)
+
+
+@needs_kernel
+def test_stacked_layers_compute_their_parts_side_by_side(ops):
+    parts = []
+    for i, rows in enumerate((24, 8, 8)):
+        w = _q4_weight(rows, 2 * BLOCK, seed=i)
+        lin = torch.nn.Linear(2 * BLOCK, rows, bias=False)
+        lin.weight = torch.nn.Parameter(w, requires_grad=False)
+        parts.append(BlockLinear(lin, exact_blocks(w), ops, max_rows=8))
+    x = torch.randn(3, 2 * BLOCK)
+    want = torch.cat([p(x) for p in parts], dim=-1)
+    stacked = BlockLinear.stacked(parts)
+    assert torch.equal(stacked(x), want)
+    assert all(torch.equal(p(x), w) for p, w in zip(parts, want.split([24, 8, 8], dim=-1)))
+    assert parts[1].q.data_ptr() == stacked.q.data_ptr() + 24 * stacked.q.stride(0)  # views
+
+
+def test_the_row_choice_is_measured_once_and_cached(tmp_path, monkeypatch):
+    weight = _q4_weight(64, 2 * BLOCK)
+    lin = torch.nn.Linear(2 * BLOCK, 64, bias=False)
+    lin.weight = torch.nn.Parameter(weight, requires_grad=False)
+    layer = BlockLinear(lin, exact_blocks(weight), None, 0)
+    calls = []
+
+    def measured(layers, rows=lowbit.CANDIDATE_ROWS):
+        calls.append(len(layers))
+        return 24, {"24": [1.0, 2.0]}
+
+    monkeypatch.setattr(lowbit, "choose_max_rows", measured)
+    assert lowbit._max_rows([layer], tmp_path, "build-a") == (24, {"24": [1.0, 2.0]})
+    assert lowbit._max_rows([layer], tmp_path, "build-a")[0] == 24 and calls == [1]
+    assert lowbit._max_rows([layer], tmp_path, "build-b")[0] == 24 and calls == [1, 1]
+    cached = json.loads((tmp_path / "kernels" / "lowbit-rows.json").read_text())
+    assert len(cached) == 2
+
+
+@needs_kernel
+def test_choose_max_rows_times_both_paths(ops):
+    layers = []
+    for i in range(4):
+        w = _q4_weight(256, 8 * BLOCK, seed=i)
+        lin = torch.nn.Linear(8 * BLOCK, 256, bias=False)
+        lin.weight = torch.nn.Parameter(w, requires_grad=False)
+        layers.append(BlockLinear(lin, exact_blocks(w), ops, 0))
+    best, timings = lowbit.choose_max_rows(layers, rows=(1, 4))
+    assert best in (0, 1, 4) and set(timings) <= {"1", "4"}
+    assert all(len(t) == 2 and min(t) > 0 for t in timings.values())
+
+
+def _fresh(smollm2: LoadedModel) -> LoadedModel:
+    """A copy of the shared model as loaded: block layers (an earlier engine's) made plain."""
+    model = copy.deepcopy(smollm2.model)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, BlockLinear):
+                plain = torch.nn.Linear(child.in_features, child.out_features,
+                                        bias=child.bias is not None, device="meta")
+                plain.weight, plain.bias = child.weight, child.bias
+                setattr(parent, name, plain)
+    model.tie_weights()
+    return LoadedModel(model, smollm2.tokenizer, smollm2.name, smollm2.source, smollm2.device,
+                       smollm2.dtype, 0.0, False)
+
+
+@needs_kernel
+def test_the_embedded_model_is_q4_1_with_a_q8_0_head(smollm2):
+    if smollm2.dtype != torch.float32:
+        pytest.skip("the blocks serve fp32 models")
+    loaded = _fresh(smollm2)
+    report = prepare(loaded, EngineConfig()).lowbit
+    blocks = [m for m in loaded.model.modules() if isinstance(m, BlockLinear)]
+    assert report.mode == "exact" and report.q4_layers == 210 and report.q8_layers == 1
+    head = loaded.model.get_output_embeddings()
+    assert isinstance(head, BlockLinear) and head.kind == "q8"
+    assert head.weight is loaded.model.get_input_embeddings().weight  # still tied
+    assert not any(type(m) is torch.nn.Linear for m in loaded.model.modules())
+    assert report.max_rows in (0, *lowbit.CANDIDATE_ROWS) and len(blocks) >= 211
+    with original_model(loaded.model):
+        assert all(m.max_rows == 0 for m in blocks)
+    assert all(m.max_rows == report.max_rows for m in blocks)
+    again = prepare(loaded, EngineConfig()).lowbit  # a second engine over the same model
+    assert (again.mode, again.q4_layers, again.q8_layers) == ("exact", 210, 1)
+    off = _fresh(smollm2)
+    assert prepare(off, EngineConfig(linear_kernel="torch")).lowbit.mode == "off"
+    assert not any(isinstance(m, BlockLinear) for m in off.model.modules())
+
+
+@needs_kernel
+@pytest.mark.parametrize("quantize", ["none", "int4"])
+def test_greedy_with_blocks_equals_generate_alone_and_batched(smollm2, make_engine, quantize):
+    """The anchor with the kernel serving every decode forward (max_rows forced above the
+    batch): exact blocks against generate on the fp32 model, rounded ones against generate on
+    the rounded model; one job at a time and a rolling batch of 5."""
+    if smollm2.dtype != torch.float32:
+        pytest.skip("the blocks serve fp32 models")
+    loaded = _fresh(smollm2)
+    eng = make_engine(loaded, quantize=quantize, prompt_cache_bytes=0)
+    layers = [m for m in loaded.model.modules() if isinstance(m, BlockLinear)]
+    assert layers and all(m.kind == ("q8" if m is layers[-1] else "q4") for m in layers[-2:])
+    stacks = [vars(layer)["_lean_stacked"] for layer in loaded.model.model.layers]
+    assert all(isinstance(s.qkv, BlockLinear) for s in stacks)
+    for m in [*layers, *(s.qkv for s in stacks), *(s.gate_up for s in stacks)]:
+        m.max_rows = 64
+    tok = loaded.tokenizer
+    prompts = varied_prompts(tok, 5)
+    budgets = [10 + 3 * i for i in range(len(prompts))]
+    want = [reference_greedy(loaded.model, ids, n, n) for ids, n in zip(prompts, budgets)]
+    h = eng.submit(prompts[0], SamplingParams(strategy="greedy", max_new_tokens=budgets[0],
+                                              min_new_tokens=budgets[0]))
+    eng.run_until_idle()
+    assert collect(h)[0]["tokens"] == want[0]
+    handles = [eng.submit(ids, SamplingParams(strategy="greedy", max_new_tokens=n,
+                                              min_new_tokens=n))
+               for ids, n in zip(prompts, budgets)]
+    eng.run_until_idle()
+    assert [collect(h)[0]["tokens"] for h in handles] == want
+    if quantize == "int4":  # the rounded head has its own weights; the embeddings keep theirs
+        model = loaded.model
+        assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
