@@ -265,7 +265,7 @@ OPTIONS: tuple[Option, ...] = (
            "(0: derived from the model)"),
     Option("decode_attention", "engine", _choice(*DECODE_ATTENTION), ("option.decode_attention",),
            "--decode-attention",
-           "one-query attention on bf16 CPU models: auto (seqgate's kernel, compiled for this "
+           "one-query attention on CPU models: auto (seqgate's kernel, compiled for this "
            "CPU on first use, where it builds) | sdpa (PyTorch's)"),
     Option("num_speculative_tokens", "engine", _int(0),
            ("option.num_speculative_tokens", "option.speculative_length"),

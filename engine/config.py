@@ -83,7 +83,7 @@ class EngineConfig:
     # Context tokens whose attention costs as much as one token's linear layers, for charging
     # a prompt chunk's attention to the budget; 0 derives it from the model (ModelRunner).
     chunk_attention_tokens: int = 0
-    # One-query (decode) attention on bf16 CPU models: auto runs seqgate's own kernel
+    # One-query (decode) attention on CPU models (bf16, fp32): auto runs seqgate's own kernel
     # (engine/kernels/, compiled for the host on first use) where it builds, else PyTorch's SDPA;
     # sdpa always runs SDPA.
     decode_attention: str = "auto"

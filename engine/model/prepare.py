@@ -72,8 +72,7 @@ def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
     prepacked = prepack.install(model) if single else 0
     lean = llama_layers.install(model) if single else 0
     kernel = None
-    if (config.decode_attention == "auto" and packed and single and cpu
-            and model.get_output_embeddings().weight.dtype == torch.bfloat16):
+    if config.decode_attention == "auto" and packed and single and cpu:
         kernel = ops
     kernel_layers = packed_forward.use_decode_kernel(model, kernel)
     if kernel is not None and not kernel_layers:
