@@ -60,7 +60,8 @@ class OpsController(Controller):
             "engine": {"max_rolling_batch_size": (engine.config if engine else cfg).batch_rows,
                        "job_queue_size": cfg.job_queue_size, "max_sparsity": cfg.max_sparsity,
                        "max_splits": cfg.max_splits, "decoding_strategy": cfg.decoding_strategy,
-                       "num_threads": cfg.threads, "quantize": cfg.quantize},
+                       "num_threads": cfg.threads, "quantize": cfg.quantize,
+                       "kernels": _kernels(engine)},
             "python": platform.python_version(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
@@ -110,3 +111,14 @@ class OpsController(Controller):
 
         text = await gw.off_loop(detokenize)
         return json_response(DetokenizeResponse(prompt=text))
+
+
+def _kernels(engine) -> dict | None:
+    """The paths the engine chose on this host (None for a replica set: each chose its own)."""
+    blocks = getattr(engine, "linear_blocks", None)
+    if blocks is None:
+        return None
+    return {"decode_attention_layers": engine.decode_kernel_layers,
+            "linear": {"mode": blocks.mode, "q4_layers": blocks.q4_layers,
+                       "q8_layers": blocks.q8_layers, "max_rows": blocks.max_rows,
+                       "ms_per_pass_kernel_vs_torch": blocks.timings}}

@@ -55,6 +55,7 @@ class EngineCore:
         self.prepacked_layers = prepared.prepacked_layers
         self.lean_layers = prepared.lean_layers
         self.decode_kernel_layers = prepared.decode_kernel_layers
+        self.linear_blocks = prepared.lowbit  # which layers the low-bit kernel serves, up to what
         # Ranks in lock step cannot each undo a step alone: out of memory fails them all.
         self._lockstep = ranks is not None
         self.kv_budget = kv_budget(config, loaded, self.runner.dtype, ranks, self._warm_up)

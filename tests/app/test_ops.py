@@ -13,6 +13,13 @@ def test_health_and_version(http, live_server):
     version = http.get("/version").json()
     assert version["model"] == live_server.gateway.model_name
     assert version["engine"]["max_rolling_batch_size"] == 8 and version["torch"]
+    # the paths this host's engine chose, as the engine reports them
+    kernels, engine = version["engine"]["kernels"], live_server.engine
+    assert kernels["decode_attention_layers"] == engine.decode_kernel_layers
+    blocks = engine.linear_blocks
+    assert kernels["linear"] == {"mode": blocks.mode, "q4_layers": blocks.q4_layers,
+                                 "q8_layers": blocks.q8_layers, "max_rows": blocks.max_rows,
+                                 "ms_per_pass_kernel_vs_torch": blocks.timings}
 
 
 def test_tokenize_detokenize_round_trip(http, live_server):
