@@ -15,7 +15,8 @@ import torch
 from engine import EngineConfig, LoadedModel, SamplingParams
 from engine.kernels import native
 from engine.model import lowbit
-from engine.model.lowbit import BLOCK, BlockLinear, exact_blocks, rounded_blocks
+from engine.model.blocks import BLOCK, exact_blocks, rounded_blocks
+from engine.model.lowbit import BlockLinear
 from engine.model.prepare import original_model, prepare
 from tests.engine.helpers import collect, reference_greedy, varied_prompts
 from tests.engine.test_native import needs_kernel

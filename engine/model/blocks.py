@@ -1,0 +1,80 @@
+"""Weights in llama.cpp's Q4_1 and Q8_0 blocks (32 input columns of one output row each, fp16
+constants): finding them exactly in fp32 weights, rounding weights to them, and the fp32 weights
+they hold. The kernels that multiply by them are engine/kernels/csrc/lowbit_linear.cpp; the
+layers that use them, engine.model.lowbit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32  # input columns per block
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A weight [out, in] in blocks: q (q4: [out, in / 2] uint8, two columns a byte; q8:
+    [out, in] int8), d and m ([out, in / 32] float16; m None for q8)."""
+
+    kind: str
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
+
+    def dense(self) -> torch.Tensor:
+        """The fp32 weights the blocks hold, rounded as the kernel rebuilds them."""
+        d = self.d.float()[..., None]
+        if self.kind == "q8":
+            q = self.q.float().view(*self.d.shape, BLOCK)
+            return (q * d).flatten(1)
+        low, high = (self.q & 0x0F), (self.q >> 4)
+        q = torch.cat([low.view(*self.d.shape, BLOCK // 2), high.view(*self.d.shape, BLOCK // 2)],
+                      dim=-1).float()
+        return (q * d + self.m.float()[..., None]).flatten(1)
+
+
+def _q4(weight: torch.Tensor, exact: bool) -> Blocks | None:
+    w = weight.detach().float()
+    rows, cols = w.shape
+    g = w.view(rows, cols // BLOCK, BLOCK)
+    lo, hi = g.amin(-1), g.amax(-1)
+    d, m = ((hi - lo) / 15).half(), lo.half()
+    df, mf = d.float()[..., None], m.float()[..., None]
+    q = torch.where(df > 0, (g - mf) / df.clamp(min=torch.finfo(torch.float32).tiny),
+                    0).round().clamp(0, 15)
+    if exact and not torch.equal(q * df + mf, g):
+        return None
+    q = q.to(torch.uint8)
+    packed = (q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)).reshape(rows, cols // 2)
+    return Blocks("q4", packed.contiguous(), d.contiguous(), m.contiguous())
+
+
+def _q8(weight: torch.Tensor, exact: bool) -> Blocks | None:
+    w = weight.detach().float()
+    rows, cols = w.shape
+    g = w.view(rows, cols // BLOCK, BLOCK)
+    d = (g.abs().amax(-1) / 127).half()
+    df = d.float()[..., None]
+    q = torch.where(df > 0, g / df.clamp(min=torch.finfo(torch.float32).tiny),
+                    0).round().clamp(-128, 127)
+    if exact and not torch.equal(q * df, g):
+        return None
+    return Blocks("q8", q.to(torch.int8).reshape(rows, cols).contiguous(), d.contiguous(), None)
+
+
+def exact_blocks(weight: torch.Tensor) -> Blocks | None:
+    """Q4_1 or Q8_0 blocks holding exactly these fp32 weights; None where neither does."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
+        return None
+    return _q4(weight, exact=True) or _q8(weight, exact=True)
+
+
+def rounded_blocks(weight: torch.Tensor, kind: str) -> Blocks | None:
+    """The weights rounded to `kind` blocks; None where they do not fit (columns not a multiple
+    of 32, or values beyond float16's range)."""
+    if weight.dim() != 2 or weight.shape[1] % BLOCK or not torch.isfinite(weight).all():
+        return None
+    blocks = _q4(weight, exact=False) if kind == "q4" else _q8(weight, exact=False)
+    ok = torch.isfinite(blocks.d).all() and (blocks.m is None or torch.isfinite(blocks.m).all())
+    return blocks if ok else None
