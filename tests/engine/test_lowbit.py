@@ -77,7 +77,7 @@ def test_rounded_blocks_stay_close_and_refuse_what_they_cannot_hold():
 
 @needs_kernel
 @pytest.mark.parametrize("kind", ["q4", "q8"])
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 7, 8, 9, 17])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 7, 8, 9, 15, 16, 17, 33])
 def test_the_kernel_computes_the_layer_of_the_blocks_weights(ops, kind, rows):
     weight = (_q4_weight if kind == "q4" else _q8_weight)(40, 3 * BLOCK, seed=rows)
     linear = torch.nn.Linear(3 * BLOCK, 40, bias=True)

@@ -12,6 +12,10 @@
 // is summed in its own order (per-lane partial sums, then across lanes), as any other matrix
 // product's blocking does.
 //
+// Up to 15 rows, each output row's blocks are rebuilt in registers and dotted with every input
+// row (bound by the weights' bytes); from 16 rows on, a tile of output rows is rebuilt into fp32
+// once and multiplied as a matrix product (bound by the multiply-adds).
+//
 // Written over ATen's Vectorized<float>; the weights' unpacking is in intrinsics for AVX2 and
 // AVX512, else a scalar loop. Registered as torch.ops.seqgate.q4_linear / q8_linear (the
 // library is built by engine/kernels/native.py); checked in tests/engine/test_lowbit.py.
@@ -28,6 +32,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -37,6 +42,7 @@ constexpr int kBlock = 32;                 // input columns per block
 constexpr int kPer = kBlock / kLanes;      // vectors per block
 constexpr int kMaxRows = 8;                // input rows one pass over the weights serves
 constexpr int64_t kTile = 32;              // output rows whose weights one pass keeps cached
+constexpr int64_t kManyRows = 16;          // from this many rows on: `many_rows`
 
 template <int N>
 struct Vecs {  // N vectors meant for registers (no constructor loop; see decode_attention.cpp)
@@ -148,6 +154,77 @@ void rows_any(int n, const Weights& w, const float* x, int64_t ldx, float* y, in
   }
 }
 
+// Many rows: the layer as a matrix product. A tile of kOuts output rows is rebuilt once into
+// fp32 (`tile`, [kOuts, in]), then multiplied by the input transposed (`xt`, [in, rows padded to
+// whole vectors]): for each column k, each output's weight is broadcast and multiplied into
+// NV vectors of rows, so every output element is one running sum over k in one lane and no
+// sums across lanes are needed; kOuts * NV accumulators stay in registers.
+constexpr int kOuts = 6;
+
+// Rebuilds output rows [o, o + n) into tile (fp32, `in` columns each).
+template <bool Q4>
+void rebuild(const Weights& w, int64_t o, int n, float* tile) {
+  for (int i = 0; i < n; ++i) {
+    const uint8_t* qrow = w.q + (o + i) * w.row_bytes;
+    const at::Half* drow = w.d + (o + i) * w.blocks;
+    float* out = tile + i * w.blocks * kBlock;
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      Vecs<kPer> wv;
+      const Vec d(static_cast<float>(drow[b]));
+      if constexpr (Q4) {
+        unpack_q4(qrow + b * (kBlock / 2), wv);
+        const Vec m(static_cast<float>(w.m[(o + i) * w.blocks + b]));
+        for (int k = 0; k < kPer; ++k) wv[k] = at::vec::fmadd(wv[k], d, m);
+      } else {
+        unpack_q8(reinterpret_cast<const int8_t*>(qrow) + b * kBlock, wv);
+        for (int k = 0; k < kPer; ++k) wv[k] = wv[k] * d;
+      }
+      for (int k = 0; k < kPer; ++k) wv[k].store(out + b * kBlock + k * kLanes);
+    }
+  }
+}
+
+// y[r0 .. r0 + NV * kLanes, o .. o + kOuts) from the rebuilt tile and xt (row stride ldt).
+template <int NV>
+void outer(const float* tile, int64_t in, const float* xt, int64_t ldt, int64_t r0,
+           int64_t rows, float* y, int64_t ldy, int64_t o, int outs) {
+  Vecs<kOuts * NV> acc;
+  for (int i = 0; i < kOuts * NV; ++i) acc[i] = Vec(0.f);
+  for (int64_t k = 0; k < in; ++k) {
+    Vec xv[NV];
+    for (int v = 0; v < NV; ++v) xv[v] = Vec::loadu(xt + k * ldt + r0 + v * kLanes);
+    for (int i = 0; i < kOuts; ++i) {
+      const Vec wk(tile[i * in + k]);
+      for (int v = 0; v < NV; ++v) acc[i * NV + v] = at::vec::fmadd(wk, xv[v], acc[i * NV + v]);
+    }
+  }
+  alignas(64) float lanes[kLanes];
+  for (int i = 0; i < outs; ++i)
+    for (int v = 0; v < NV; ++v) {
+      acc[i * NV + v].store(lanes);
+      for (int l = 0; l < kLanes && r0 + v * kLanes + l < rows; ++l)
+        y[(r0 + v * kLanes + l) * ldy + o + i] = lanes[l];
+    }
+}
+
+template <bool Q4>
+void many_rows(const Weights& w, const float* xt, int64_t ldt, int64_t rows, float* y,
+               int64_t ldy, int64_t begin, int64_t end) {
+  const int64_t in = w.blocks * kBlock;
+  std::vector<float> tile(static_cast<size_t>(kOuts * in));
+  for (int64_t o = begin; o < end; o += kOuts) {
+    const int outs = static_cast<int>(std::min<int64_t>(kOuts, end - o));
+    rebuild<Q4>(w, o, outs, tile.data());
+    if (outs < kOuts)  // rows past the layer's last multiply zeros, their sums unused
+      std::fill(tile.begin() + outs * in, tile.end(), 0.f);
+    int64_t r0 = 0;
+    for (; r0 + 2 * kLanes <= ldt; r0 += 2 * kLanes)
+      outer<2>(tile.data(), in, xt, ldt, r0, rows, y, ldy, o, outs);
+    for (; r0 < ldt; r0 += kLanes)
+      outer<1>(tile.data(), in, xt, ldt, r0, rows, y, ldy, o, outs);
+  }
+}
+
 void check(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, int64_t row_bytes) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
                   x.stride(1) == 1, "x: a CPU float32 matrix with contiguous rows");
@@ -166,6 +243,17 @@ at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t out) {
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0), n = x.size(0);
+  if (n >= kManyRows) {
+    // x transposed, rows padded with zeros to whole vectors.
+    const int64_t ldt = (n + kLanes - 1) / kLanes * kLanes, in = x.size(1);
+    at::Tensor xt = at::zeros({in, ldt}, x.options());
+    xt.narrow(1, 0, n).copy_(x.t());
+    const float* tp = xt.data_ptr<float>();
+    at::parallel_for(0, (out + kOuts - 1) / kOuts, 1, [&](int64_t begin, int64_t end) {
+      many_rows<Q4>(w, tp, ldt, n, yp, out, begin * kOuts, std::min(end * kOuts, out));
+    });
+    return y;
+  }
   // Output rows split across threads; every thread sees all input rows, kMaxRows at a time,
   // over a tile of output rows whose weights stay in the core's cache between row groups.
   at::parallel_for(0, out, kTile, [&](int64_t begin, int64_t end) {
