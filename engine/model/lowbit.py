@@ -171,7 +171,7 @@ def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
 
 def _signature(layers: list[BlockLinear], build_key: str) -> str:
     shapes = sorted({(b.kind, b.out_features, b.in_features) for b in layers})
-    return json.dumps([build_key, torch.get_num_threads(), len(layers), shapes])
+    return json.dumps([build_key, torch.get_num_threads(), len(layers), shapes, CANDIDATE_ROWS])
 
 
 def _max_rows(layers: list[BlockLinear], cache: Path | None,
