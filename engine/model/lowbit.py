@@ -127,10 +127,12 @@ class LowbitReport:
 
 
 def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
-            build_key: str = "") -> LowbitReport:
+            build_key: str = "", threads: int | None = None) -> LowbitReport:
     """Give the fp32 CPU linear layers of `model` blocks (in place): exact ones where
     `quantize` is none, rounded ones for int4 (layers Q4_1, the output head Q8_0) and int8
-    (all Q8_0). Layers with hooks, or whose shape or values do not fit, stay as they are."""
+    (all Q8_0). Layers with hooks, or whose shape or values do not fit, stay as they are.
+    The row limit is timed with `threads` torch threads (the engine thread's; None: this
+    thread's)."""
     head = model.get_output_embeddings()
     made: list[tuple[torch.nn.Module, str, BlockLinear]] = []
     kept: list[BlockLinear] = []  # an earlier engine's over the same model
@@ -159,7 +161,12 @@ def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
     layers = [*kept, *(layer for _, _, layer in made)]
     if not layers:
         return LowbitReport()
-    max_rows, timings = _max_rows(layers, cache, build_key)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        max_rows, timings = _max_rows(layers, cache, build_key)
+    finally:
+        torch.set_num_threads(before)
     for layer in layers:
         layer.ops, layer.max_rows = ops, max_rows
     return LowbitReport(

@@ -50,7 +50,7 @@ def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
     blocks = lowbit.LowbitReport()
     if cpu and single and fp32 and ops is not None and config.linear_kernel == "auto":
         blocks = lowbit.install(model, ops, config.quantize, cache_dir(config),
-                                native.build_key())
+                                native.build_key(), config.threads)
         log.info("linear layers: %d in Q4_1 blocks, %d in Q8_0 (%s, %.1f MiB), the kernel "
                  "for forwards of at most %d rows; ms per pass over all of them at n rows, "
                  "kernel vs PyTorch: %s", blocks.q4_layers, blocks.q8_layers, blocks.mode,
