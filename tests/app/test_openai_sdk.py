@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import httpx
 import pytest
@@ -56,8 +57,12 @@ def test_chat_stream_via_sdk_equals_non_stream(live_server):
 
 
 def test_raw_chat_stream_every_chunk_conforms_with_usage(live_server, schema_errors):
-    body = {"messages": HELLO, "max_tokens": 10, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    # A long prompt seen nowhere before (the nonce comes first, so no cached prefix shortens it):
+    # its prefill keeps the stream idle for far longer than the test server's 50 ms ping
+    # interval on any machine, so the keep-alive comments below do not depend on its speed.
+    long_prompt = f"{uuid.uuid4()} " + "Tell me about the sea. " * 250
+    body = {"messages": [{"role": "user", "content": long_prompt}], "max_tokens": 10,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", live_server.base_url + "/chat/completions", json=body,
                       timeout=60) as response:
         stream = read_stream(response)
