@@ -1,0 +1,132 @@
+"""How far each weight format moves the model's next-token distributions from fp32's.
+
+    python -m bench.studies.quality [--num-answers 200] [--max-answer 64] [--max-prompt 256]
+                                    [--variants bf16,int4,int8,torch-int4] [--quick]
+
+ShareGPT first turns with their recorded replies (chat template, reply truncated to
+--max-answer tokens), teacher-forced through the fp32 model and through each variant, one
+sequence per forward. At every reply position: KL(fp32 || variant) over the whole vocabulary,
+whether the two argmaxes agree, and the variant's negative log-likelihood of the recorded token
+(perplexity = exp of its mean). Variants:
+  bf16        the model cast to bf16 (the default on CPUs with native bf16);
+  int4        `--quantize int4` on an fp32 model: layers rounded to Q4_1 blocks, head to Q8_0
+              (engine/model/blocks.py);
+  int8        `--quantize int8` on an fp32 model: every layer rounded to Q8_0 blocks;
+  torch-int4  `--quantize int4` on a bf16 model's path, computed in fp32: PyTorch's int4 format
+              (engine/model/quantize.py), layers int4 with groups of 32, head int8 per row.
+The fp32 weights of the embedded model are themselves Q4_1/Q8_0 blocks, so the default fp32
+path (which reads those blocks exactly) is the reference itself. Writes
+bench/results/quality.json.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+
+import torch
+
+from bench.harness import markdown_table
+from bench.provenance import cpu_isa
+from bench.sharegpt import shuffled_exchanges
+from bench.studies.common import base_parser, env_info, load, write_json
+from engine.model.blocks import rounded_blocks
+from engine.model.quantize import quantize_model
+
+VARIANTS = ("bf16", "int4", "int8", "torch-int4")
+
+
+def _rounded(model: torch.nn.Module, layers: str) -> torch.nn.Module:
+    """A copy whose linear layers hold their rounded blocks' weights (int4: layers Q4_1, the
+    head Q8_0 with weights of its own; int8: all Q8_0)."""
+    out = copy.deepcopy(model)
+    head = out.get_output_embeddings()
+    for module in list(out.modules()):
+        if type(module) is not torch.nn.Linear:
+            continue
+        kind = "q4" if layers == "int4" and module is not head else "q8"
+        blocks = rounded_blocks(module.weight, kind)
+        if blocks is not None:
+            module.weight = torch.nn.Parameter(blocks.dense(), requires_grad=False)
+    return out
+
+
+def variant(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    if name == "bf16":
+        return copy.deepcopy(model).to(torch.bfloat16)
+    if name in ("int4", "int8"):
+        return _rounded(model, name)
+    if name == "torch-int4":
+        out = copy.deepcopy(model)
+        quantize_model(out, "int4")
+        return out
+    raise ValueError(f"unknown variant {name!r}: one of {', '.join(VARIANTS)}")
+
+
+def sequences(tokenizer, count: int, seed: int, max_prompt: int, max_answer: int):
+    """(ids, first reply position) of `count` ShareGPT exchanges."""
+    out = []
+    for user, reply in shuffled_exchanges(seed):
+        if len(out) == count:
+            break
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": user}],
+                                               tokenize=False, add_generation_prompt=True)
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        answer = tokenizer.encode(reply, add_special_tokens=False)[:max_answer]
+        if len(ids) <= max_prompt and len(answer) >= 2:
+            out.append((ids + answer, len(ids)))
+    return out
+
+
+@torch.inference_mode()
+def log_probs(model: torch.nn.Module, ids: list[int], start: int) -> torch.Tensor:
+    """Log-probabilities (fp32) of the next token at each reply position."""
+    logits = model(input_ids=torch.tensor([ids])).logits[0, start - 1:-1]
+    return logits.float().log_softmax(-1)
+
+
+def main() -> None:
+    ap = base_parser(__doc__.splitlines()[0])
+    ap.add_argument("--num-answers", type=int, default=200)
+    ap.add_argument("--max-answer", type=int, default=64)
+    ap.add_argument("--max-prompt", type=int, default=256)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args()
+    if args.quick:
+        args.num_answers, args.max_answer = 8, 16
+    loaded = load(args.threads, args.device, "fp32")
+    reference = loaded.model.eval()
+    seqs = sequences(loaded.tokenizer, args.num_answers, args.seed, args.max_prompt,
+                     args.max_answer)
+    names = args.variants.split(",")
+    models = {name: variant(reference, name).eval() for name in names}
+    sums = {name: {"kl": 0.0, "nll": 0.0, "agree": 0, "seconds": 0.0} for name in ["fp32", *names]}
+    positions = 0
+    for ids, start in seqs:
+        ref = log_probs(reference, ids, start)
+        targets = torch.tensor(ids[start:])
+        positions += len(targets)
+        sums["fp32"]["nll"] -= ref.gather(1, targets[:, None]).sum().item()
+        for name, model in models.items():
+            began = time.perf_counter()
+            got = log_probs(model, ids, start)
+            sums[name]["seconds"] += time.perf_counter() - began
+            sums[name]["kl"] += (ref.exp() * (ref - got)).sum().item()
+            sums[name]["nll"] -= got.gather(1, targets[:, None]).sum().item()
+            sums[name]["agree"] += int((got.argmax(-1) == ref.argmax(-1)).sum())
+    rows, result = [], {"env": {**env_info(loaded, args.threads), "isa": cpu_isa()},
+                        "answers": len(seqs), "positions": positions, "variants": {}}
+    for name, s in sums.items():
+        entry = {"mean_kl": s["kl"] / positions, "perplexity": math.exp(s["nll"] / positions),
+                 "top1_agreement": (s["agree"] / positions) if name != "fp32" else 1.0}
+        result["variants"][name] = entry
+        rows.append([name, f"{entry['mean_kl']:.2e}", round(entry["perplexity"], 3),
+                     round(entry["top1_agreement"], 4)])
+    print(f"ISA: {' '.join(cpu_isa()) or 'unknown'}; {len(seqs)} answers, {positions} positions")
+    print(markdown_table(["weights", "mean KL vs fp32", "perplexity", "top-1 = fp32's"], rows))
+    write_json("quality", result, args.out)
+
+
+if __name__ == "__main__":
+    main()
