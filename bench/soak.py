@@ -23,10 +23,13 @@ What it measures, and why:
      new ones except a few probes (which must get 503 service_unavailable), and records how every
      in-flight request ended (completed, or 503 / an SSE error event then [DONE]); the server
      must exit 0 within --drain-timeout + --exit-margin.
-  4. Scrapes /metrics before SIGTERM: `seqgate_abort_free_steps` (engine steps from an abort to
+  4. Reads the /v1/responses store's bytes and entries from /metrics with every RSS reading: the
+     soak runs the server with a small store (--response-store-bytes, 256 KiB) so that it fills
+     and evicts under load; its bytes must never exceed that bound.
+  5. Scrapes /metrics before SIGTERM: `seqgate_abort_free_steps` (engine steps from an abort to
      the slot being free; target: all within 3) and `seqgate_request_outcomes_total`; "n/a" when
      the server does not expose them.
-  5. Unless --skip-fuzz, runs schemathesis through tests/openapi/test_fuzz.py with
+  6. Unless --skip-fuzz, runs schemathesis through tests/openapi/test_fuzz.py with
      FUZZ_MAX_EXAMPLES=--fuzz-examples and the coverage phase (at least 5,000 cases by default).
 Raw results go to --out (JSON, with every request's outcome), the report to --report
 (bench/soak_report.py renders it; `python -m bench.soak_report` re-renders from the JSON).
@@ -105,6 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--exchanges", type=int, default=400, help="ShareGPT exchanges to draw from")
     ap.add_argument("--request-timeout", type=float, default=180.0,
                     help="a request with no answer after this long counts as unanswered")
+    ap.add_argument("--response-store-bytes", type=int, default=256 * 1024,
+                    help="passed to seqgate serve: small, so the store fills within the soak")
     ap.add_argument("--fuzz-examples", type=int, default=DEFAULT_FUZZ_EXAMPLES,
                     help="FUZZ_MAX_EXAMPLES for the schemathesis run")
     ap.add_argument("--skip-fuzz", action="store_true")
@@ -317,11 +322,26 @@ def kv_bytes(base_url: str) -> float | None:
     return None if batch is None else batch + scraped.get("seqgate_prompt_cache_bytes", 0.0)
 
 
+def response_store(base_url: str) -> tuple[float, float] | None:
+    """(entries, bytes) of the /v1/responses store now; None if not exposed."""
+    try:
+        scraped = scrape(base_url)
+    except httpx.HTTPError:
+        return None
+    nbytes = scraped.get("seqgate_response_store_bytes")
+    return None if nbytes is None else (scraped.get("seqgate_response_store_entries", 0.0), nbytes)
+
+
 async def sample_rss(server: ServerProcess, stop: asyncio.Event, t0: float,
-                     series: list[tuple[float, int]], every: float = RSS_SERIES_SECONDS) -> None:
-    """(seconds, RSS) every `every` seconds until `stop`: whether growth levels off."""
+                     series: list[tuple[float, int]], store: list[tuple[float, float, float]],
+                     every: float = RSS_SERIES_SECONDS) -> None:
+    """(seconds, RSS) every `every` seconds until `stop`: whether growth levels off; and the
+    response store's (seconds, entries, bytes): whether it stays within its bound."""
     while not stop.is_set():
-        series.append((round(time.perf_counter() - t0, 1), await asyncio.to_thread(server.rss)))
+        at = round(time.perf_counter() - t0, 1)
+        series.append((at, await asyncio.to_thread(server.rss)))
+        if (held := await asyncio.to_thread(response_store, server.base_url)) is not None:
+            store.append((at, *held))
         await asyncio.sleep(every)
 
 
@@ -338,7 +358,8 @@ async def drive(server: ServerProcess, mix: RequestMix, args: argparse.Namespace
         t0 = time.perf_counter()
         clients = [asyncio.create_task(client_loop(client, mix, stop, outcomes, t0))
                    for _ in range(args.concurrency)]
-        series = asyncio.create_task(sample_rss(server, stop, t0, rss.setdefault("series", [])))
+        series = asyncio.create_task(sample_rss(server, stop, t0, rss.setdefault("series", []),
+                                                rss.setdefault("response_store", [])))
         with CpuAccount(server.pid) as cpu, RssSampler(server.pid, interval=1.0) as sampler:
             alive = await under_load(server, rss["warmup_seconds"])
             if alive:
@@ -421,7 +442,8 @@ def soak(args: argparse.Namespace, argv: list[str] | None) -> dict:
     exchanges = load_requests(tokenizer, args.exchanges, seed=args.seed,
                               max_prompt=args.max_prompt, max_output=args.max_tokens)
     spec = dataclasses.replace(SEQGATE, label="seqgate soak", extra_args=(
-        "--drain-timeout", f"{args.drain_timeout:g}", *args.seqgate_arg))
+        "--drain-timeout", f"{args.drain_timeout:g}",
+        "--response-store-bytes", str(args.response_store_bytes), *args.seqgate_arg))
     log = args.out.with_suffix(".server.log")
     data: dict = {"meta": provenance.meta(argv, "bench.soak", args, started=True,
                                           finished=False)}
@@ -438,6 +460,7 @@ def soak(args: argparse.Namespace, argv: list[str] | None) -> dict:
                       "exit_seconds": run.exit_seconds, "killed": run.killed,
                       "exit_deadline": args.drain_timeout + args.exit_margin,
                       "max_model_len": served.max_model_len, "log": str(log),
+                      "response_store_bytes": args.response_store_bytes,
                       "log_errors": server_log_errors(log)}
     data["rss"] = run.rss
     data["cpu"] = run.cpu

@@ -36,7 +36,7 @@ def category(o: Outcome) -> str:
         if o.stream_end in ("truncated", "error-no-done"):
             return "stream-truncated"
         if o.stream_end == "error-then-done":
-            return "503" if o.code == "service_unavailable" else f"stream-error:{o.code}"
+            return "503" if o.unavailable else f"stream-error:{o.code}"
         return "ok"
     if o.status in (429, 503):
         return str(o.status)
@@ -56,7 +56,7 @@ def drain_ending(o: Outcome) -> str:
         return "other"
     if o.status == 200 and o.stream_end in (None, "done"):
         return "completed"
-    if o.code == "service_unavailable" and o.status in (200, 503):
+    if o.unavailable and o.status in (200, 503):
         return "service-unavailable"
     if o.bad and o.status is not None and 400 <= o.status < 500:
         return "refused-bad-input"
@@ -125,8 +125,7 @@ def drain_summary(outcomes: Sequence[Outcome], sigterm_at: float) -> dict:
         "endings": dict(sorted(Counter(drain_ending(o) for o in in_flight).items())),
         "other": [o.to_json() for o in in_flight if drain_ending(o) == "other"],
         "probes": [o.to_json() for o in probes],
-        "probes_unavailable": sum(o.status == 503 and o.code == "service_unavailable"
-                                  for o in probes),
+        "probes_unavailable": sum(o.status == 503 and o.unavailable for o in probes),
     }
 
 
@@ -136,6 +135,17 @@ def _pct(x: float | None) -> str:
 
 def _mib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:,.1f} MiB"
+
+
+def response_store_target(readings: Sequence[Sequence[float]] | None,
+                          bound: int | None) -> Target:
+    """The /v1/responses store's peak bytes over the run's readings against its bound."""
+    figure = "/v1/responses store: peak bytes of the readings"
+    if not readings or bound is None:
+        return Target(figure, "n/a", "<= its bound", None)
+    _, entries, peak = max(readings, key=lambda r: r[2])
+    return Target(figure, f"{peak / 1024:,.0f} KiB ({entries:.0f} responses)",
+                  f"<= {bound / 1024:,.0f} KiB", peak <= bound)
 
 
 def targets(data: dict) -> list[Target]:
@@ -182,6 +192,8 @@ def targets(data: dict) -> list[Target]:
                f"< {100 * RSS_GROWTH_LIMIT:.0f}%", None if rss.get("median_growth") is None
                else rss["median_growth"] < RSS_GROWTH_LIMIT),
     ]
+    out.append(response_store_target(rss.get("response_store"),
+                                     server.get("response_store_bytes")))
     free = metrics.get("abort_free")
     out.append(Target(f"aborted slots freed within {ABORT_FREE_STEPS:g} engine steps",
                       "n/a (metric absent)" if free is None else

@@ -1,12 +1,18 @@
 """The soak's traffic: what each client sends, how it reads the answer, and how that answer ended.
 
-A `RequestMix` draws every request from a seeded RNG over ShareGPT exchanges: chat or
-/v1/completions, streamed or not, greedy or sampled (temperature, sometimes a seed), some with
-n=2, some with stop strings, a small `max_tokens` so that requests keep cycling. A share of
-requests is cut by the client on purpose (a stream closed after a few events, a whole request
-cancelled after a random delay), and a share is bad input from `BAD_INPUTS` (malformed JSON, wrong
-types, two ~1 MB stop strings, an unknown model, a prompt over the context, too many logit_bias
-entries, a negative max_tokens...), which must be refused with a 4xx in OpenAI's error envelope.
+A `RequestMix` draws every request from a seeded RNG over ShareGPT exchanges: chat,
+/v1/completions, /v1/responses (stored, sometimes continuing an earlier stored response by
+`previous_response_id`, sometimes `store: false`) or Anthropic's /v1/messages; streamed or not,
+greedy or sampled (temperature, sometimes a seed), some with n=2, some with stop strings, a small
+`max_tokens` so that requests keep cycling. A share of requests is cut by the client on purpose (a
+stream closed after a few events, a whole request cancelled after a random delay), and a share is
+bad input from `BAD_INPUTS` (malformed JSON, wrong types, two ~1 MB stop strings, an unknown
+model, a prompt over the context, too many logit_bias entries, a negative max_tokens, malformed
+Responses items and Anthropic blocks...), which must be refused with a 4xx in the route's own
+error shape.
+
+Each route's answers are judged by its `Wire`: OpenAI's error envelope or Anthropic's, `[DONE]`
+or the protocol's last event (`response.completed`, `message_stop`) as a stream's proper end.
 
 Bodies go out as raw bytes over httpx so that malformed ones can be sent. `send` never raises: it
 returns an `Outcome` that says what came back (status, error code, how a stream ended) and, where
@@ -19,6 +25,7 @@ import asyncio
 import json
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -30,7 +37,11 @@ from bench.sharegpt import Request
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 RESPONSES_PATH = "/v1/responses"
+MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 ERROR_FIELDS = ("message", "type", "param", "code")
+# "The server is draining": OpenAI's error code and Anthropic's error type for it.
+UNAVAILABLE = ("service_unavailable", "overloaded_error")
 JSON_HEADERS = {"content-type": "application/json"}
 
 
@@ -45,6 +56,7 @@ class SoakRequest:
     bad: bool = False  # bad input: must be refused with a 4xx error envelope
     cut_after_events: int | None = None  # stream: the client closes it after this many events
     cut_after_s: float | None = None  # whole response: the client gives up after this long
+    stored: bool = False  # /v1/responses with store on: its answer can be continued
 
 
 @dataclass(frozen=True)
@@ -57,9 +69,15 @@ class ServedModel:
 
 # -- bad input --------------------------------------------------------------------------------
 
+HELLO = [{"role": "user", "content": "Say hello."}]
+
+
 def _chat(model: str | None, **fields) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": "Say hello."}],
-            "max_tokens": 8, **fields}
+    return {"model": model, "messages": HELLO, "max_tokens": 8, **fields}
+
+
+def _anthropic(model: str | None, **fields) -> dict:
+    return {"model": model or "", "messages": HELLO, "max_tokens": 8, **fields}
 
 
 def _encode(body: dict) -> bytes:
@@ -121,6 +139,23 @@ BAD_INPUTS: dict[str, tuple[str, BadInput]] = {
                                      "output": "x"}]})),
     "responses-unknown-previous-id": (RESPONSES_PATH, lambda s, r: _encode(
         {"model": s.name, "input": "hi", "previous_response_id": f"resp_{r.random()}"})),
+    "responses-built-in-tool": (RESPONSES_PATH, lambda s, r: _encode(
+        {"model": s.name, "input": "hi", "tools": [{"type": "web_search"}]})),
+    "responses-output-over-context": (RESPONSES_PATH, lambda s, r: _encode(
+        {"model": s.name, "input": "hi", "max_output_tokens": s.max_model_len * 4})),
+    # Anthropic's Messages API: refused in Anthropic's error shape
+    "anthropic-malformed-json": (MESSAGES_PATH, lambda s, r: b'{"messages": [{"role": "user"'),
+    "anthropic-missing-max-tokens": (MESSAGES_PATH, lambda s, r: _encode(
+        {"model": s.name or "", "messages": HELLO})),
+    "anthropic-unknown-block": (MESSAGES_PATH, lambda s, r: _encode(_anthropic(
+        s.name, messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]))),
+    "anthropic-tool-result-of-no-call": (MESSAGES_PATH, lambda s, r: _encode(_anthropic(
+        s.name, messages=[{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_none", "content": "x"}]}]))),
+    "anthropic-tool-choice-of-no-tool": (MESSAGES_PATH, lambda s, r: _encode(_anthropic(
+        s.name, tool_choice={"type": "tool", "name": "nowhere"}))),
+    "anthropic-count-tokens-without-messages": (COUNT_TOKENS_PATH, lambda s, r: _encode(
+        {"model": s.name or ""})),
 }
 
 
@@ -133,19 +168,29 @@ def bad_request(name: str, served: ServedModel, rng: random.Random) -> SoakReque
 
 @dataclass
 class MixShares:
-    """Fractions of requests with each trait (each drawn independently per request)."""
+    """Fractions of requests with each trait (each drawn independently per request; the routes
+    other than chat share one draw)."""
 
     bad: float = 0.05
     cut: float = 0.10
     completions: float = 0.25
+    responses: float = 0.15
+    messages: float = 0.10
     stream: float = 0.5
     sampled: float = 0.5
-    n2: float = 0.15
-    stop: float = 0.2
+    n2: float = 0.15  # chat and completions
+    stop: float = 0.2  # all but the Responses API, which has no stop parameter
+    continued: float = 0.3  # responses that continue an earlier stored one
+    unstored: float = 0.2  # responses with store: false
+
+
+# The stored responses a continuation draws from: the latest ones, as a client would continue.
+REMEMBERED_RESPONSES = 64
 
 
 class RequestMix:
-    """Draws the soak's requests, reproducibly from `seed`, over `exchanges`."""
+    """Draws the soak's requests, reproducibly from `seed`, over `exchanges` (a continued
+    response also depends on which stored responses were `remember`ed by then)."""
 
     def __init__(self, exchanges: Sequence[Request], served: ServedModel, seed: int = 0,
                  shares: MixShares | None = None):
@@ -155,11 +200,17 @@ class RequestMix:
         self.shares = shares or MixShares()
         self.rng = random.Random(seed)
         self._bad_deck: list[str] = []
+        self.stored: deque[str] = deque(maxlen=REMEMBERED_RESPONSES)
 
     def next(self) -> SoakRequest:
         if self.rng.random() < self.shares.bad:
             return bad_request(self._next_bad_input(), self.served, self.rng)
         return self.good()
+
+    def remember(self, outcome: Outcome) -> None:
+        """Keep the id of a response the server stored, for later requests to continue."""
+        if outcome.response_id:
+            self.stored.append(outcome.response_id)
 
     def _next_bad_input(self) -> str:
         # Dealt from a shuffled deck rather than drawn: every kind comes up once in each
@@ -168,48 +219,82 @@ class RequestMix:
             self._bad_deck = self.rng.sample(sorted(BAD_INPUTS), len(BAD_INPUTS))
         return self._bad_deck.pop()
 
+    def _route(self) -> str:
+        shares, draw = self.shares, self.rng.random()
+        for route, share in (("completion", shares.completions),
+                             ("responses", shares.responses), ("messages", shares.messages)):
+            if draw < share:
+                return route
+            draw -= share
+        return "chat"
+
     def good(self) -> SoakRequest:
         rng, shares = self.rng, self.shares
         ex = rng.choice(self.exchanges)
-        completions = rng.random() < shares.completions
+        route = self._route()
         stream = rng.random() < shares.stream
-        body: dict = {"model": self.served.name, "max_tokens": ex.max_tokens, "stream": stream}
-        if completions:
-            body["prompt"] = ex.prompt
-        else:
-            body["messages"] = ex.messages
+        body: dict = {"model": self.served.name, "stream": stream}
         traits = []
+        if route == "completion":
+            body.update(prompt=ex.prompt, max_tokens=ex.max_tokens)
+        elif route == "chat":
+            body.update(messages=ex.messages, max_tokens=ex.max_tokens)
+        elif route == "messages":
+            body.update(model=self.served.name or "", messages=ex.messages,
+                        max_tokens=ex.max_tokens)
+        else:
+            body.update(input=ex.messages, max_output_tokens=ex.max_tokens)
+            if self.stored and rng.random() < shares.continued:
+                body["previous_response_id"] = rng.choice(self.stored)
+                traits.append("continued")
+            if rng.random() < shares.unstored:
+                body["store"] = False
+                traits.append("unstored")
         if rng.random() < shares.sampled:
-            body["temperature"] = round(rng.uniform(0.5, 1.2), 2)
-            if rng.random() < 0.5:
+            body["temperature"] = round(rng.uniform(0.5, 1.0 if route == "messages" else 1.2), 2)
+            if route != "messages" and rng.random() < 0.5:
                 body["seed"] = rng.randrange(2**31)
             traits.append("sampled")
         else:
             body["temperature"] = 0
-        if rng.random() < shares.n2:
+        if route in ("chat", "completion") and rng.random() < shares.n2:
             body["n"] = 2
             traits.append("n2")
-        if rng.random() < shares.stop:
-            body["stop"] = rng.choice([["\n\n"], ["."], [" the ", "\n"], "I"])
+        if route != "responses" and rng.random() < shares.stop:
+            stop = rng.choice([["\n\n"], ["."], [" the ", "\n"], "I"])
+            if route == "messages":
+                body["stop_sequences"] = [stop] if isinstance(stop, str) else stop
+            else:
+                body["stop"] = stop
             traits.append("stop")
-        if stream and rng.random() < 0.5:
+        if route in ("chat", "completion") and stream and rng.random() < 0.5:
             body["stream_options"] = {"include_usage": True}
-        kind = "-".join(["completion" if completions else "chat",
-                         *(["stream"] if stream else []), *traits])
+        kind = "-".join([route, *(["stream"] if stream else []), *traits])
         cut = rng.random() < shares.cut
-        return SoakRequest(kind, COMPLETIONS_PATH if completions else CHAT_PATH, _encode(body),
-                           stream, cut_after_events=rng.randint(1, 8) if cut and stream else None,
+        return SoakRequest(kind, ROUTES[route], _encode(body), stream,
+                           cut_after_events=rng.randint(1, 8) if cut and stream else None,
                            cut_after_s=round(rng.uniform(0.05, 3.0), 3)
-                           if cut and not stream else None)
+                           if cut and not stream else None,
+                           stored=route == "responses" and body.get("store") is not False)
+
+
+ROUTES = {"chat": CHAT_PATH, "completion": COMPLETIONS_PATH, "responses": RESPONSES_PATH,
+          "messages": MESSAGES_PATH}
 
 
 # -- what came back ---------------------------------------------------------------------------
 
+def _json(body: bytes | str) -> object:
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
 def envelope_problem(body: bytes | str) -> str | None:
     """None if `body` is OpenAI's error envelope with a string code, else what is wrong with it."""
-    try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    obj = _json(body)
+    if obj is None:
         return "error body is not JSON"
     err = obj.get("error") if isinstance(obj, dict) else None
     if not isinstance(err, dict):
@@ -222,40 +307,112 @@ def envelope_problem(body: bytes | str) -> str | None:
     return None
 
 
+def anthropic_error_problem(body: bytes | str) -> str | None:
+    """None if `body` is Anthropic's error shape (`{"type": "error", "error": {"type",
+    "message"}}`), else what is wrong with it."""
+    obj = _json(body)
+    if obj is None:
+        return "error body is not JSON"
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if obj.get("type") != "error" or not isinstance(err, dict):
+        return "not Anthropic's error shape (type 'error' with an `error` object)"
+    if not isinstance(err.get("type"), str) or not isinstance(err.get("message"), str):
+        return "Anthropic error's type or message is not a string"
+    return None
+
+
 def error_code(body: bytes | str) -> str | None:
-    try:
-        err = json.loads(body).get("error")
-        return str(err.get("code")) if isinstance(err, dict) else None
-    except (ValueError, AttributeError, UnicodeDecodeError):
+    """OpenAI's error code, or Anthropic's error type (its only code)."""
+    obj = _json(body)
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if not isinstance(err, dict):
         return None
+    code = err.get("code") if "code" in err else err.get("type")
+    return None if code is None else str(code)
 
 
 @dataclass(frozen=True)
 class StreamEnd:
-    """How a stream ended: `done` ([DONE], no error), `error-then-done`, `error-no-done`, or
-    `truncated` (neither [DONE] nor an error event); `error_code` from the error event."""
+    """How a stream ended: `done` (its proper end, no error), `error-then-done` (an error event,
+    then the proper end: `[DONE]` on OpenAI's routes, the body's end after the error event on
+    the routes with named events), `error-no-done`, or `truncated` (no proper end and no error
+    event); `error_code` from the error event; `response_id` from the response's last event."""
 
     how: str
     error_code: str | None = None
     events: int = 0
+    response_id: str | None = None
 
 
 def classify_stream(payloads: Sequence[str]) -> StreamEnd:
-    """Classify a stream by its `data:` payloads, in order."""
+    """Classify an OpenAI stream (chat, completions) by its `data:` payloads, in order."""
     code, errored = None, False
     for payload in payloads:
         if payload == DONE:
             return StreamEnd("error-then-done" if errored else "done", code, len(payloads))
         if not errored and payload.startswith("{") and '"error"' in payload:
-            try:
-                obj = json.loads(payload)
-            except ValueError:
-                continue
+            obj = _json(payload)
             if isinstance(obj, dict) and "error" in obj:
                 errored = True
                 err = obj["error"]
                 code = str(err.get("code")) if isinstance(err, dict) else None
     return StreamEnd("error-no-done" if errored else "truncated", code, len(payloads))
+
+
+# The events that end a stream of named events properly: the Responses API's and Anthropic's.
+_LAST_EVENTS = ("response.completed", "response.incomplete", "response.failed", "message_stop")
+
+
+def classify_named_stream(payloads: Sequence[str]) -> StreamEnd:
+    """Classify a stream of typed events (/v1/responses, /v1/messages) by its `data:` payloads:
+    each a JSON object with a `type`; the last one ends it, or an `error` event does."""
+    for payload in payloads:
+        obj = _json(payload)
+        kind = obj.get("type") if isinstance(obj, dict) else None
+        if kind == "error":
+            err = obj.get("error") if isinstance(obj.get("error"), dict) else obj
+            code = err.get("code") or err.get("type")
+            return StreamEnd("error-then-done", None if code is None else str(code),
+                             len(payloads))
+        if kind in _LAST_EVENTS:
+            response = obj.get("response") if isinstance(obj.get("response"), dict) else {}
+            return StreamEnd("done", None, len(payloads), response.get("id"))
+    return StreamEnd("truncated", None, len(payloads))
+
+
+def _is_completion(obj: dict) -> bool:
+    return isinstance(obj.get("choices"), list)
+
+
+def _is_response(obj: dict) -> bool:
+    return obj.get("object") == "response" and isinstance(obj.get("output"), list)
+
+
+def _is_message(obj: dict) -> bool:
+    return obj.get("type") == "message" and isinstance(obj.get("content"), list)
+
+
+@dataclass(frozen=True)
+class Wire:
+    """How a route's answers look: its error body, a whole answer, the stream's events."""
+
+    error_problem: Callable[[bytes | str], str | None]
+    answered: Callable[[dict], bool]
+    classify: Callable[[Sequence[str]], StreamEnd]
+
+
+OPENAI_WIRE = Wire(envelope_problem, _is_completion, classify_stream)
+WIRES = {
+    RESPONSES_PATH: Wire(envelope_problem, _is_response, classify_named_stream),
+    MESSAGES_PATH: Wire(anthropic_error_problem, _is_message, classify_named_stream),
+    COUNT_TOKENS_PATH: Wire(anthropic_error_problem,
+                            lambda obj: isinstance(obj.get("input_tokens"), int),
+                            classify_named_stream),
+}
+
+
+def wire(path: str) -> Wire:
+    return WIRES.get(path, OPENAI_WIRE)
 
 
 @dataclass
@@ -268,22 +425,28 @@ class Outcome:
     started: float
     ended: float = 0.0
     status: int | None = None  # None: no HTTP answer at all
-    code: str | None = None  # the error envelope's code (HTTP body or SSE error event)
+    code: str | None = None  # the error's code (HTTP body or SSE error event)
     stream_end: str | None = None  # StreamEnd.how, for streams answered 200
     cut: bool = False  # the client cut it on purpose before it ended
     probe: bool = False  # sent during the drain, expecting 503
     problem: str | None = None  # what the server did wrong, if anything
     body: str | None = None  # the start of the answer, kept where there is a problem
+    response_id: str | None = None  # a response the server stored (/v1/responses)
 
     def to_json(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None and v is not False}
 
+    @property
+    def unavailable(self) -> bool:
+        """Refused because the server is draining (HTTP 503, or an error event saying so)."""
+        return self.code in UNAVAILABLE
+
 
 def _judge_error(o: Outcome, req: SoakRequest, body: bytes) -> None:
-    """Fold a non-200 answer into `o`: every one must be an error envelope; bad input must get
-    a 4xx; a 5xx other than 503 is always a problem."""
+    """Fold a non-200 answer into `o`: every one must be in the route's error shape; bad input
+    must get a 4xx; a 5xx other than 503 is always a problem."""
     o.code = error_code(body)
-    if (p := envelope_problem(body)) is not None:
+    if (p := wire(req.path).error_problem(body)) is not None:
         o.problem = f"HTTP {o.status}: {p}"
     elif o.status is not None and o.status >= 500 and o.status != 503:
         o.problem = f"HTTP {o.status}"
@@ -306,12 +469,11 @@ async def _send_whole(client: httpx.AsyncClient, req: SoakRequest, o: Outcome) -
     elif req.bad:
         o.problem, o.body = "bad input accepted (200)", resp.text[:2000]
     else:
-        try:
-            ok = isinstance(resp.json().get("choices"), list)
-        except (ValueError, AttributeError):
-            ok = False
-        if not ok:
-            o.problem, o.body = "200 without choices", resp.text[:2000]
+        obj = _json(resp.content)
+        if not (isinstance(obj, dict) and wire(req.path).answered(obj)):
+            o.problem, o.body = f"200 that is no answer of {req.path}", resp.text[:2000]
+        elif req.stored:
+            o.response_id = obj.get("id")
 
 
 async def _send_stream(client: httpx.AsyncClient, req: SoakRequest, o: Outcome) -> None:
@@ -328,13 +490,14 @@ async def _send_stream(client: httpx.AsyncClient, req: SoakRequest, o: Outcome) 
             if req.cut_after_events is not None and len(payloads) >= req.cut_after_events:
                 o.cut = True  # leaving the block closes the connection mid-stream
                 return
-    end = classify_stream(payloads)
+    end = wire(req.path).classify(payloads)
     o.stream_end, o.code = end.how, end.error_code
+    o.response_id = end.response_id if req.stored else None
     if end.how == "truncated":
-        o.problem = f"stream ended without [DONE] or an error after {end.events} events"
+        o.problem = f"stream ended without its last event or an error after {end.events} events"
     elif end.how == "error-no-done":
         o.problem = f"stream error event ({end.error_code}) not followed by [DONE]"
-    elif end.error_code not in (None, "service_unavailable"):
+    elif end.error_code is not None and not o.unavailable:
         o.problem = f"stream error event {end.error_code}"
     if o.problem:
         o.body = "\n".join(payloads[-3:])[:2000]
@@ -364,4 +527,6 @@ async def client_loop(client: httpx.AsyncClient, mix: RequestMix, stop: asyncio.
                       outcomes: list[Outcome], t0: float) -> None:
     """One closed-loop client: send, wait for the answer, send the next, until `stop`."""
     while not stop.is_set():
-        outcomes.append(await send(client, mix.next(), t0))
+        outcome = await send(client, mix.next(), t0)
+        mix.remember(outcome)
+        outcomes.append(outcome)

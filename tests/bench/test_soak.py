@@ -37,13 +37,19 @@ from bench.soak_traffic import (
     BAD_INPUTS,
     CHAT_PATH,
     COMPLETIONS_PATH,
+    COUNT_TOKENS_PATH,
+    MESSAGES_PATH,
+    RESPONSES_PATH,
     MixShares,
     Outcome,
     RequestMix,
     ServedModel,
+    anthropic_error_problem,
     bad_request,
+    classify_named_stream,
     classify_stream,
     envelope_problem,
+    error_code,
 )
 
 SERVED = ServedModel("SmolLM2-135M-Instruct", 2048)
@@ -73,32 +79,62 @@ def test_the_mix_has_every_trait_in_about_its_share():
     assert len(cut) / len(good) == pytest.approx(0.10, abs=0.02)
     assert all(r.stream == (r.cut_after_events is not None) for r in cut)
     bodies = [json.loads(r.body) for r in good]
-    assert {r.path for r in good} == {CHAT_PATH, COMPLETIONS_PATH}
+    routes = [r.path for r in good]
+    assert routes.count(COMPLETIONS_PATH) / len(good) == pytest.approx(0.25, abs=0.03)
+    assert routes.count(RESPONSES_PATH) / len(good) == pytest.approx(0.15, abs=0.03)
+    assert routes.count(MESSAGES_PATH) / len(good) == pytest.approx(0.10, abs=0.03)
+    assert routes.count(CHAT_PATH) / len(good) == pytest.approx(0.50, abs=0.03)
     assert any(b.get("n") == 2 for b in bodies) and any("stop" in b for b in bodies)
+    assert any("stop_sequences" in b for b in bodies)
+    assert any(b.get("store") is False for b in bodies)
     assert any(b["temperature"] == 0 for b in bodies) and any("seed" in b for b in bodies)
     assert all(b["stream"] == r.stream for b, r in zip(bodies, good))
-    assert all(b["max_tokens"] <= 12 for b in bodies)
+    assert all(b.get("max_tokens", b.get("max_output_tokens")) <= 12 for b in bodies)
 
 
 def test_good_requests_fit_their_route():
-    for r in _draw(200, bad=0.0):
+    fields = {CHAT_PATH: ("messages", "max_tokens"), COMPLETIONS_PATH: ("prompt", "max_tokens"),
+              RESPONSES_PATH: ("input", "max_output_tokens"),
+              MESSAGES_PATH: ("messages", "max_tokens")}
+    for r in _draw(300, bad=0.0):
         body = json.loads(r.body)
-        assert ("messages" in body) == (r.path == CHAT_PATH)
-        assert ("prompt" in body) == (r.path == COMPLETIONS_PATH)
+        assert all(f in body for f in fields[r.path]), r.kind
+        assert {"prompt", "input"} & set(body) == {"prompt", "input"} & set(fields[r.path])
         assert body["model"] == SERVED.name
-        assert r.kind.startswith("chat" if r.path == CHAT_PATH else "completion")
+        assert r.kind.split("-")[0] == {CHAT_PATH: "chat", COMPLETIONS_PATH: "completion",
+                                        RESPONSES_PATH: "responses",
+                                        MESSAGES_PATH: "messages"}[r.path]
+        if r.path == MESSAGES_PATH:  # Anthropic's API has neither n, seed nor stop
+            assert not {"n", "seed", "stop"} & set(body) and body["temperature"] <= 1.0
+        if r.path == RESPONSES_PATH:
+            assert not {"n", "stop", "stream_options"} & set(body)
+        assert r.stored == (r.path == RESPONSES_PATH and body.get("store") is not False)
+
+
+def test_responses_continue_the_stored_ones_the_mix_was_told_of():
+    mix = RequestMix(_exchanges(), SERVED, 0, MixShares(bad=0.0, responses=1.0, completions=0.0,
+                                                         messages=0.0))
+    assert all("previous_response_id" not in json.loads(mix.next().body) for _ in range(50))
+    mix.remember(_o(response_id="resp_1"))
+    mix.remember(_o(response_id=None))  # not stored: nothing to continue
+    continued = [json.loads(r.body) for r in (mix.next() for _ in range(200))
+                 if "continued" in r.kind]
+    assert len(continued) == pytest.approx(60, abs=20)
+    assert all(b["previous_response_id"] == "resp_1" for b in continued)
 
 
 @pytest.mark.parametrize("name", sorted(BAD_INPUTS))
 def test_every_bad_input_is_bad(name):
     req = bad_request(name, SERVED, random.Random(0))
     assert req.bad and not req.stream and req.kind == f"bad:{name}"
+    assert (req.path in (MESSAGES_PATH, COUNT_TOKENS_PATH)) == name.startswith("anthropic-")
+    assert (req.path == RESPONSES_PATH) == name.startswith("responses-")
     try:
         body = json.loads(req.body)
     except (ValueError, UnicodeDecodeError):
-        assert name in ("malformed-json", "not-utf8")
+        assert name in ("malformed-json", "not-utf8", "anthropic-malformed-json")
         return
-    assert name not in ("malformed-json", "not-utf8")
+    assert name not in ("malformed-json", "not-utf8", "anthropic-malformed-json")
     if name == "huge-stop-strings":
         assert len(body["stop"]) == 2 and all(len(s) >= 1_000_000 for s in body["stop"])
     if name == "over-long-prompt":
@@ -120,6 +156,39 @@ def test_error_envelopes():
     assert "param" in envelope_problem('{"error": {"message": "m", "type": "t", "code": "c"}}')
     assert envelope_problem('{"error": {"message": "m", "type": "t", "param": null, '
                             '"code": 400}}') is not None
+
+
+def test_anthropic_error_shape():
+    good = {"type": "error", "error": {"type": "invalid_request_error", "message": "m"}}
+    assert anthropic_error_problem(json.dumps(good)) is None
+    assert error_code(json.dumps(good)) == "invalid_request_error"
+    assert "Anthropic" in anthropic_error_problem(json.dumps({"error": {"type": "x"}}))
+    assert anthropic_error_problem(json.dumps({"type": "error", "error": {"type": 1,
+                                                                        "message": "m"}}))
+    # OpenAI's envelope is not Anthropic's shape, nor the other way round
+    openai = {"error": {"message": "m", "type": "t", "param": None, "code": "c"}}
+    assert anthropic_error_problem(json.dumps(openai)) is not None
+    assert envelope_problem(json.dumps(good)) is not None
+
+
+def test_named_event_streams():
+    created = json.dumps({"type": "response.created", "response": {"id": "resp_1"}})
+    done = json.dumps({"type": "response.completed", "response": {"id": "resp_1"}})
+    end = classify_named_stream([created, done])
+    assert (end.how, end.response_id) == ("done", "resp_1")
+    failed = json.dumps({"type": "error", "code": "service_unavailable", "message": "m"})
+    end = classify_named_stream([created, failed])
+    assert (end.how, end.error_code) == ("error-then-done", "service_unavailable")
+    overloaded = json.dumps({"type": "error", "error": {"type": "overloaded_error",
+                                                        "message": "m"}})
+    start = json.dumps({"type": "message_start", "message": {}})
+    end = classify_named_stream([start, overloaded])
+    assert (end.how, end.error_code) == ("error-then-done", "overloaded_error")
+    assert classify_named_stream([start, json.dumps({"type": "message_stop"})]).how == "done"
+    assert classify_named_stream([start, json.dumps({"type": "ping"})]).how == "truncated"
+    # text that merely mentions an event's name is not that event
+    delta = json.dumps({"type": "content_block_delta", "delta": {"text": '"message_stop"'}})
+    assert classify_named_stream([start, delta]).how == "truncated"
 
 
 def test_stream_classification():
@@ -155,6 +224,8 @@ def test_categories_and_drain_endings():
     assert category(unavailable) == "503" and drain_ending(unavailable) == "service-unavailable"
     assert drain_ending(_o(status=200, stream=True, stream_end="done")) == "completed"
     assert drain_ending(_o(status=503, code="service_unavailable")) == "service-unavailable"
+    overloaded = _o(status=200, stream=True, stream_end="error-then-done", code="overloaded_error")
+    assert category(overloaded) == "503" and drain_ending(overloaded) == "service-unavailable"
     assert drain_ending(_o(status=400, bad=True, code="invalid_json")) == "refused-bad-input"
     assert drain_ending(_o(status=None, problem="no answer: ReadError")) == "other"
 
@@ -226,7 +297,10 @@ def test_a_clean_run_passes_and_absent_metrics_read_na():
                 _o(started=49.0, ended=51.0, status=200, stream=True, stream_end="done"),
                 _o("probe", 50.3, 50.4, status=503, code="service_unavailable", probe=True)]
     data = _data(outcomes)
+    data["rss"]["response_store"] = [(5.0, 3.0, 1000.0), (10.0, 4.0, 2048.0)]
+    data["server"]["response_store_bytes"] = 2048
     verdicts = {t.figure: t.passed for t in targets(data)}
+    assert verdicts["/v1/responses store: peak bytes of the readings"] is True
     assert verdicts["drain probes answered 503 service_unavailable"] is True
     assert verdicts["aborted slots freed within 3 engine steps"] is None
     assert all(v is not False for v in verdicts.values())
@@ -253,7 +327,11 @@ def test_findings_fail_their_targets_and_are_quoted():
                  engine_steps=6.0, step_seconds=step, prompt_cache_bytes=2.0**20)
     data["rss"].update(growth=0.25, median_growth=0.2, window_seconds=15.0)
     data["rss"]["series"] = [(0.0, 512 * 2**20), (5.0, 520 * 2**20)]
+    data["rss"]["response_store"] = [(0.0, 3.0, 1000.0), (5.0, 9.0, 2049.0), (10.0, 8.0, 2000.0)]
+    data["server"]["response_store_bytes"] = 2048
     failed = {t.figure for t in targets(data) if t.passed is False}
+    store = {t.figure: t for t in targets(data)}["/v1/responses store: peak bytes of the readings"]
+    assert (store.value, store.passed) == ("2 KiB (9 responses)", False)
     assert {"5xx answers (other than 503)", "requests with no HTTP answer",
             "bad inputs not refused with a 4xx error envelope",
             "RSS growth after warm-up (median of the first and last 15 s of load)",
