@@ -42,7 +42,7 @@ from bench.studies.common import (
     warm_up,
     write_json,
 )
-from engine.kv.batch import GROWTH_COLUMNS
+from engine.kv.slab_sizing import GROWTH_COLUMNS
 from engine.kv.slabs import SlabCache, SlabLayer
 from engine.model.runner import cache_keyword
 

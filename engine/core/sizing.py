@@ -22,8 +22,18 @@ from engine.kv.budget import (
     mem_available,
 )
 from engine.model.loader import LoadedModel
+from engine.model.runner import Chunk, ModelRunner
 
 log = logging.getLogger("seqgate.engine")
+
+
+def warm_up(runner: ModelRunner, tokens: int, fill_id: int, device: torch.device) -> None:
+    """One prompt forward of `tokens` tokens (a step's longest), so that its activations' peak is
+    in use (kept by CUDA's caching allocator) when the budget is measured."""
+    with torch.inference_mode():
+        runner.prefill_chunk(Chunk(runner.prompt_kv(None, tokens), [fill_id] * tokens, 0,
+                                   logits=True, hidden=False))
+    torch.cuda.synchronize(device)
 
 
 class Ranks(Protocol):

@@ -15,7 +15,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.handle import END
-from engine.core.sizing import Ranks, kv_budget, resolved
+from engine.core.recorder import StepRecorder
+from engine.core.sizing import Ranks, kv_budget, resolved, warm_up
 from engine.errors import out_of_memory
 from engine.kv.batch import SubBatch
 from engine.kv.radix_cache import RadixPrefixCache
@@ -30,8 +31,9 @@ from engine.sample.decoder import TokenDecoder, fail
 from engine.sample.grammar import GrammarCompiler
 from engine.sample.speculative import Speculator
 from engine.sched.caching import CachePolicy
+from engine.sched.plan import StepPlan
 from engine.sched.preemption import lost_rows, victims
-from engine.sched.scheduler import ALONE_TOKENS, Scheduler, StepPlan
+from engine.sched.scheduler import ALONE_TOKENS, Scheduler
 from engine.sched.step_cost import StepCost
 
 log = logging.getLogger("seqgate.engine")
@@ -48,7 +50,7 @@ class EngineCore:
         self.model_name = loaded.name
         limit = getattr(loaded.model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(config.max_model_len or limit, limit)
-        self.eos_ids = _eos_ids(loaded)
+        self.eos_ids = loaded.eos_ids()
         self.runner = ModelRunner(loaded.model, loaded.device, config.tensor_parallel_degree)
         prepared = prepare(loaded, config)
         self.packed_forward = prepared.packed_forward
@@ -58,7 +60,9 @@ class EngineCore:
         self.linear_blocks = prepared.lowbit  # which layers the low-bit kernel serves, up to what
         # Ranks in lock step cannot each undo a step alone: out of memory fails them all.
         self._lockstep = ranks is not None
-        self.kv_budget = kv_budget(config, loaded, self.runner.dtype, ranks, self._warm_up)
+        longest = min(max(config.token_budget, ALONE_TOKENS), self.max_model_len)
+        self.kv_budget = kv_budget(config, loaded, self.runner.dtype, ranks, lambda: warm_up(
+            self.runner, longest, self.eos_ids[0] if self.eos_ids else 0, loaded.device))
         self.config = config = resolved(config, self.kv_budget, loaded.device)
         self.prefix_cache = RadixPrefixCache(
             config.prompt_cache_bytes if self.kv_budget is None else self.kv_budget.prefix_cache)
@@ -72,27 +76,16 @@ class EngineCore:
         self.speculator = Speculator(config, self.max_model_len)
         self.decoder = TokenDecoder(self.runner.vocab_size, loaded.device, self.eos_ids,
                                     self.max_model_len, self.speculator)
-        # Request threads compile grammars here (GrammarCompiler.compile), never the engine.
-        # What a decode step costs lately (a moving average over decode-only steps), published
-        # for the request threads that compile grammars: a mask is judged against it.
+        # Request threads compile grammars here, never the engine; they judge a mask against what
+        # a decode step costs lately (a moving average over decode-only steps).
         self.decode_step_seconds = 0.0
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_ids,
                                         step_seconds=lambda: self.decode_step_seconds)
-        self._stats = EngineStats()
-        self._listeners: list[Callable[[StepStats], None]] = []
-
-    def _warm_up(self) -> None:
-        """One prompt forward as long as a step's longest, so that its activations' peak is in
-        use (kept by CUDA's caching allocator) when the budget is measured."""
-        tokens = min(max(self.config.token_budget, ALONE_TOKENS), self.max_model_len)
-        ids = [self.eos_ids[0] if self.eos_ids else 0] * tokens
-        with torch.inference_mode():
-            self.runner.prefill_chunk(Chunk(self.runner.prompt_kv(None, tokens), ids, 0,
-                                            logits=True, hidden=False))
-        torch.cuda.synchronize(self.loaded.device)
+        self.recorder = StepRecorder()
+        self._stats = self.recorder.totals
 
     def add_step_listener(self, fn: Callable[[StepStats], None]) -> None:
-        self._listeners.append(fn)
+        self.recorder.listeners.append(fn)
 
     def stats(self) -> EngineStats:
         s = self._stats
@@ -132,13 +125,10 @@ class EngineCore:
 
     @torch.inference_mode()
     def step(self) -> StepStats:
-        """One iteration: schedule, lay out, execute, choose tokens, publish.
-
-        The scheduler's plan says who decodes (in which sub-batches) and which prompt chunks are
-        computed; the runner lays the batch out as planned; one forward (or one per group, for
-        models without the packed path) runs it; then tokens are chosen, stops applied, finished
-        prompts start decoding and the prefix cache takes what ended.
-        """
+        """One iteration: the scheduler's plan (who decodes in which sub-batches, which prompt
+        chunks run), laid out by the runner, one forward (or one per group without the packed
+        path); then tokens are chosen, finished prompts start decoding, the prefix cache takes
+        what ended, and the changes are published."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         changed: dict[str, Job] = {job.job_id: job for job in plan.aborted}
@@ -169,7 +159,7 @@ class EngineCore:
                 not plan.out_of_memory:
             last = self.decode_step_seconds
             self.decode_step_seconds = seconds if not last else 0.9 * last + 0.1 * seconds
-        return self._record(plan, seconds)
+        return self.recorder.record(plan, self.batch, self.scheduler, seconds)
 
     def _execute(self, sbs: list[SubBatch], chunks: list[Chunk]) -> list:
         """The step's forward: one packed forward for every group where the model allows (a
@@ -303,47 +293,3 @@ class EngineCore:
             if job.done:
                 job.closed = True
                 job.emit(END)
-
-    def _record(self, plan: StepPlan, seconds: float) -> StepStats:
-        sbs = self.batch.sub_batches
-        real = sum(sum(sb.lengths()) for sb in sbs)
-        padded = self.batch.padded_tokens()
-        stats = StepStats(
-            step=plan.step,
-            running=self.scheduler.slots_taken(),
-            queued=len(self.scheduler.queue),
-            admitted=len(plan.admitted),
-            finished=sum(1 for sb in sbs for s in sb.seqs if s.status.finished),
-            sub_batches=len(sbs),
-            sub_batch_sizes=[sb.size for sb in sbs],
-            sparsity=padded / real if real else 0.0,
-            padded_tokens=padded,
-            kv_bytes=self.batch.kv_bytes(),
-            regrouped=plan.groups is not None,
-            decode_rows=plan.decode_rows,
-            prefill_tokens=plan.prefill_tokens,
-            prefill_chunks=len(plan.chunks),
-            cached_prompt_tokens=sum(j.cached_tokens for j in plan.admitted),
-            seconds=seconds,
-            abort_free_steps=plan.abort_delays,
-        )
-        self._stats.steps = plan.step
-        self._stats.last_step = stats
-        self._stats.kv_bytes = stats.kv_bytes
-        self._stats.peak_kv_bytes = max(self._stats.peak_kv_bytes, stats.kv_bytes)
-        for fn in self._listeners:
-            try:
-                fn(stats)
-            except Exception:
-                log.exception("step listener failed")
-        return stats
-
-
-def _eos_ids(loaded: LoadedModel) -> list[int]:
-    ids = set()
-    for src in (loaded.model.generation_config, loaded.model.config):
-        eos = getattr(src, "eos_token_id", None)
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if loaded.tokenizer.eos_token_id is not None:
-        ids.add(loaded.tokenizer.eos_token_id)
-    return sorted(ids)

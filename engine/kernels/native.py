@@ -47,6 +47,8 @@ log = logging.getLogger("seqgate.native")
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("decode_attention.cpp", "lowbit_linear.cpp"))
+# Included by the sources: copied beside them and part of the build key.
+HEADERS = (Path(__file__).with_name("csrc") / "vec.h",)
 # OpenMP: without it `at::parallel_for` runs on one thread (it links to torch's own libgomp).
 FLAGS = ("-O3", "-fopenmp")
 ISA_ENV = "SEQGATE_KERNEL_ISA"
@@ -142,7 +144,7 @@ def build_key(isa: str | None = None) -> str:
     isa = isa or instruction_set() or "none"
     cpu = " ".join(sorted(f for f in _cpu_flags().split() if _ISA.match(f)))
     h = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         h.update(source.read_bytes() + b"\0")
     for part in (*(_flags(isa) if isa in _ISAS else FLAGS), _compiler(),
                  platform.python_version(), torch.__version__, *_installation(), cpu):
@@ -218,11 +220,12 @@ def _build(name: str, where: Path, isa: str) -> Native:
         try:
             (where / "lock").unlink(missing_ok=True)
             copies = []
-            for source in SOURCES:
+            for source in (*SOURCES, *HEADERS):
                 copy, text = where / source.name, source.read_bytes()
                 if not copy.is_file() or copy.read_bytes() != text:
                     copy.write_bytes(text)
                 copies.append(str(copy))
+            copies = copies[:len(SOURCES)]
             cpp_extension.load(name, copies, extra_cflags=_flags(isa),
                                extra_ldflags=["-fopenmp"], build_directory=str(where),
                                is_python_module=False, verbose=False)

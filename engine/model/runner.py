@@ -16,7 +16,7 @@ from engine.kv.rolling_batch import RollingBatch
 from engine.kv.slabs import SlabCache, SlabLayer, new_slabs, row_from_cache
 from engine.model import packed_forward
 from engine.model.decode_inputs import DecodeFeed
-from engine.sched.scheduler import PrefillChunk, StepPlan
+from engine.sched.plan import PrefillChunk, StepPlan
 from engine.staging import to_device
 
 

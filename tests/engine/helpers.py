@@ -115,14 +115,16 @@ def count_slab_columns(monkeypatch) -> list[int]:
     """Under the device slab policy (memory taken at allocation; here on the CPU), the column
     capacity of every slab the batch allocates, in order."""
     import engine.kv.batch as batch_module
+    import engine.kv.slab_sizing as sizing_module
 
     sizes: list[int] = []
-    real = batch_module.new_slabs
+    real = sizing_module.new_slabs
 
     def counting(like, shapes):
         sizes.append(shapes[0][0][2])
         return real(like, shapes)
 
-    monkeypatch.setattr(batch_module, "pages_on_write", lambda device: False)
-    monkeypatch.setattr(batch_module, "new_slabs", counting)
+    for module in (batch_module, sizing_module):
+        monkeypatch.setattr(module, "pages_on_write", lambda device: False)
+    monkeypatch.setattr(sizing_module, "new_slabs", counting)
     return sizes

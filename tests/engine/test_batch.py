@@ -8,15 +8,15 @@ import sys
 import pytest
 import torch
 
-from engine.kv.batch import (
+from engine.kv.batch import build_sub_batch
+from engine.kv.rolling_batch import RollingBatch
+from engine.kv.slab_sizing import (
     CHARGED_RESERVED_COLUMNS,
     GROWTH_COLUMNS,
     MAX_RESERVED_COLUMNS,
-    build_sub_batch,
     headroom,
     slab_columns,
 )
-from engine.kv.rolling_batch import RollingBatch
 from engine.kv.slabs import RowKV, new_slabs
 from engine.model.decode_inputs import DecodeFeed
 from engine.model.packed_forward import Group
@@ -222,7 +222,7 @@ def test_a_reservation_that_cannot_be_mapped_falls_back_to_a_charged_one(monkeyp
     then made as on a device (whose memory is charged whole too), reserving up to
     CHARGED_RESERVED_COLUMNS and doubling, and with GROWTH_COLUMNS to spare when even that
     does not fit."""
-    import engine.kv.batch as batch_module
+    import engine.kv.slab_sizing as batch_module
 
     real = batch_module.new_slabs
     limit = [100]

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import engine.kv.batch as batch_module
+import engine.kv.slab_sizing as sizing_module
 from engine import ConfigError, EngineConfig, InvalidParams, KvBudgetExceeded, SamplingParams
 from engine.kv.batch import SubBatch
 from engine.kv.budget import (
@@ -225,7 +226,8 @@ def test_the_batch_never_holds_more_than_its_budget(lazy, specs, spare, splits, 
     config = EngineConfig(max_rolling_batch_size=max(rows, 3), max_splits=splits,
                           max_sparsity=max_sparsity, max_num_batched_tokens=64)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(batch_module, "pages_on_write", lambda device: lazy)
+        for module in (batch_module, sizing_module):
+            mp.setattr(module, "pages_on_write", lambda device: lazy)
         jobs, _ = simulate(specs, alone + spare, config)
     for job, (_, max_new, _, abort_at) in zip(jobs, specs):
         if not abort_at:
@@ -235,7 +237,8 @@ def test_the_batch_never_holds_more_than_its_budget(lazy, specs, spare, splits, 
 def test_admission_charges_every_row_the_longest_reservation(monkeypatch):
     """A budget of 8 rows of 100 tokens runs 8 such jobs at once; while a 100-token job runs,
     8 rows at most, however short the others; with only 20-token jobs, the rows cap binds."""
-    monkeypatch.setattr(batch_module, "pages_on_write", lambda device: False)
+    for module in (batch_module, sizing_module):
+        monkeypatch.setattr(module, "pages_on_write", lambda device: False)
     config = EngineConfig(max_rolling_batch_size=32, max_num_batched_tokens=512)
     _, most = simulate([(80, 20, 1, 0)] * 20, 8 * 100, config)
     assert most == 8
@@ -275,7 +278,8 @@ def greedy(n: int) -> SamplingParams:
 def test_a_budget_of_eight_rows_serves_32_jobs_as_an_unbudgeted_run(smollm2, make_engine,
                                                                    monkeypatch, lazy):
     """Under the device policy the measured bytes are the slabs' whole blocks."""
-    monkeypatch.setattr(batch_module, "pages_on_write", lambda device: lazy)
+    for module in (batch_module, sizing_module):
+        monkeypatch.setattr(module, "pages_on_write", lambda device: lazy)
     prompts = budget_workload(smollm2.tokenizer)
     want = unbudgeted_outputs(smollm2, prompts)
     budget = eight_rows_budget(smollm2, prompts)
@@ -297,7 +301,8 @@ def test_on_a_device_the_whole_blocks_stay_within_the_budget(tiny_model, make_en
                                                              monkeypatch):
     """Under the device policy a slab's whole block counts (spare rows, reserved columns);
     contrastive rows write their candidates' columns too."""
-    monkeypatch.setattr(batch_module, "pages_on_write", lambda device: False)
+    for module in (batch_module, sizing_module):
+        monkeypatch.setattr(module, "pages_on_write", lambda device: False)
     per_token = kv_bytes_per_token(tiny_model.model.config, tiny_model.dtype)
     eng = make_engine(tiny_model, max_rolling_batch_size=16, prompt_cache_bytes=0,
                       kv_cache_bytes=6 * 160 * per_token, max_sparsity=0.0)

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 import engine.core.service as engine_module
-import engine.kv.batch as batch_module
+import engine.kv.slab_sizing as sizing_module
 import engine.sample.decoder as decoder_module
 from engine import Engine, EngineConfig, EngineStopped, QueueFull, SamplingParams
 from engine.request.job import Job, SeqStatus, Sequence
@@ -55,13 +55,13 @@ def test_decoding_on_a_device_moves_a_slab_log_n_times(tiny_model, make_engine, 
     assert len(sizes) == 1  # built once, with room for all 300 tokens
     # Past the reservation (none here, to keep the run short) the slab doubles.
     sizes.clear()
-    monkeypatch.setattr(batch_module, "CHARGED_RESERVED_COLUMNS", 0)
+    monkeypatch.setattr(sizing_module, "CHARGED_RESERVED_COLUMNS", 0)
     n = 1000
     long = eng.submit([1, 2, 3, 4], params(n))
     eng.run_until_idle()
     assert len(collect(long)[0]["tokens"]) == n
     moves = len(sizes) - 1
-    assert moves <= math.ceil(math.log2(n / batch_module.GROWTH_COLUMNS)) + 1
+    assert moves <= math.ceil(math.log2(n / sizing_module.GROWTH_COLUMNS)) + 1
     assert all(b >= 2 * a for a, b in zip(sizes, sizes[1:-1]))
     assert sizes[-1] >= 4 + n - 1  # the last move reached the rows' whole budget
 

@@ -11,13 +11,11 @@
 // One source for every CPU: it is written over ATen's Vectorized<float>, whose implementation
 // (AVX512, AVX2, NEON) the CPU_CAPABILITY_* macro the build defines picks; templated on the
 // element type (bf16, fp32), head size and query heads per KV head. Built on first use by
-// engine/kernels/decode_attention.py; registered as torch.ops.seqgate.*. Checked against
+// engine/kernels/native.py; registered as torch.ops.seqgate.*. Checked against
 // PyTorch's SDPA in tests/engine/test_native.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -29,63 +27,15 @@
 #include <utility>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int kLanes = Vec::size();
+using namespace seqgate;
+
 // Vector registers a loop's accumulators and operands may take (one left for a broadcast).
 constexpr int kRegs = kLanes >= 16 ? 31 : 15;
 constexpr float kHidden = -std::numeric_limits<float>::infinity();
-
-// Reads a row of the head (key or value) ahead into the cache.
-template <typename T, int D>
-inline void prefetch_row(const T* row) {
-  for (int i = 0; i < D * static_cast<int>(sizeof(T)); i += 64)
-    __builtin_prefetch(reinterpret_cast<const char*>(row) + i);
-}
-
-// N vectors meant for registers. An array of Vectorized runs a constructor loop, which takes
-// its address and so keeps GCC from holding it in registers; this runs no constructor.
-template <int N>
-struct Vecs {
-  union { Vec v[N]; };
-  Vecs() {}
-  Vec& operator[](int i) { return v[i]; }
-};
-
-inline Vec load(const float* p) { return Vec::loadu(p); }
-inline Vec load(const at::BFloat16* p) {
-  Vec v;
-  at::vec::load_to_float(p, v);
-  return v;
-}
-
-// Lane i of the result is the sum of v[i]'s lanes (v, kLanes vectors, is overwritten): each
-// level adds neighbouring lanes, so a block's dot products need no horizontal sum each. On
-// AVX2, ATen's deinterleave2 takes four lane-crossing shuffles a step; unpacking within lanes
-// and crossing once at the end is faster, so that one step is written in intrinsics.
-inline Vec sum_lanes(Vecs<kLanes>& v) {
-#if defined(CPU_CAPABILITY_AVX2)
-  __m256 a[4], b[2];
-  for (int i = 0; i < 4; ++i)
-    a[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 2; ++i) {
-    const __m256d x = _mm256_castps_pd(a[2 * i]), y = _mm256_castps_pd(a[2 * i + 1]);
-    b[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
-                         _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
-  }
-  return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20),
-                       _mm256_permute2f128_ps(b[0], b[1], 0x31));
-#else
-  for (int n = kLanes; n > 1; n /= 2)
-    for (int i = 0; i < n / 2; ++i) {
-      const auto [even, odd] = at::vec::deinterleave2(v[2 * i], v[2 * i + 1]);
-      v[i] = even + odd;
-    }
-  return v[0];
-#endif
-}
 
 struct Problem {
   const void *q, *k, *v;

@@ -22,8 +22,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
@@ -34,22 +32,16 @@
 #include <cstdint>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int kLanes = Vec::size();
+using namespace seqgate;
 constexpr int kBlock = 32;                 // input columns per block
 constexpr int kPer = kBlock / kLanes;      // vectors per block
 constexpr int kMaxRows = 8;                // input rows one pass over the weights serves
 constexpr int64_t kTile = 32;              // output rows whose weights one pass keeps cached
 constexpr int64_t kManyRows = 16;          // from this many rows on: `many_rows`
-
-template <int N>
-struct Vecs {  // N vectors meant for registers (no constructor loop; see decode_attention.cpp)
-  union { Vec v[N]; };
-  Vecs() {}
-  Vec& operator[](int i) { return v[i]; }
-};
 
 // A block's 32 q values as floats, kPer vectors.
 inline void unpack_q4(const uint8_t* p, Vecs<kPer>& q) {
