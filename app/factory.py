@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from litestar import Litestar
 from litestar.config.cors import CORSConfig
-from litestar.datastructures import State
+from litestar.datastructures import MutableScopeHeaders, State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin
+from litestar.routes import HTTPRoute
 from litestar.types import Message, Scope
 
 from app.controllers.anthropic import MessagesController
@@ -62,7 +63,7 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
         lifespan=[engine_lifespan],
         state=State({"gateway": gateway}),
         exception_handlers=EXCEPTION_HANDLERS,
-        before_send=[count_response],
+        before_send=[count_response, _AllowEveryMethod()],
         middleware=[watch_client],
         request_max_body_size=server.max_request_bytes,
         cors_config=CORSConfig(allow_origins=list(server.cors_origins))
@@ -76,3 +77,23 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
             render_plugins=[SwaggerRenderPlugin(path="/"), JsonRenderPlugin()],
         ),
     )
+
+
+class _AllowEveryMethod:
+    """Litestar 2's automatic OPTIONS answer names one handler's method where several share a
+    path (GET and DELETE /v1/responses/{id}; litestar-org/litestar#4169, fixed in v3): its
+    `Allow` is set to every method of the route."""
+
+    def __init__(self) -> None:
+        self.methods: dict[str, str] | None = None
+
+    async def __call__(self, message: Message, scope: Scope) -> None:
+        if message["type"] != "http.response.start" or scope.get("method") != "OPTIONS":
+            return
+        if self.methods is None:
+            self.methods = {route.path: ", ".join(sorted(route.methods))
+                            for route in scope["litestar_app"].routes
+                            if isinstance(route, HTTPRoute)}
+        for path in getattr(scope.get("route_handler"), "paths", ()):
+            if path in self.methods:
+                MutableScopeHeaders.from_message(message)["allow"] = self.methods[path]

@@ -295,6 +295,15 @@ def test_retrieve_input_items_delete(live_server, http, schema_errors):
     assert http.get(f"/v1/responses/{unstored.id}").status_code == 404
 
 
+def test_options_names_every_method_of_a_stored_response(http):
+    """GET and DELETE share the path: OPTIONS names both (Litestar 2 named one)."""
+    for path, allowed in (("/v1/responses/resp_x", "DELETE, GET, OPTIONS"),
+                          ("/v1/responses/resp_x/input_items", "GET, OPTIONS"),
+                          ("/v1/chat/completions", "OPTIONS, POST")):
+        reply = http.options(path)
+        assert (reply.status_code, reply.headers["allow"]) == (204, allowed), path
+
+
 @live
 def test_cancel_a_running_stream(live_server, http, schema_errors):
     body = {"input": "Count from one to one hundred.", "max_output_tokens": 400,
