@@ -22,6 +22,7 @@ openapi-check:
 # docs/benchmarks.md (+ docs/benchmarks/*.png), after the scheduler scenarios (bench.stall: long
 # prompts arriving while streams decode; bench.multiturn: the radix prefix cache on three-turn
 # chats; bench.structured: JSON-schema requests against the same requests without a schema;
+# bench.schema_following: how often plain pydantic models come back valid from the embedded model;
 # bench.routing: shared system prompts over 2 replicas per router policy, and the latency the
 # replicas add; their reports go to docs/benchmarks/*.md and into docs/benchmarks.md). About an
 # hour on 2 cores. The peer without
@@ -35,6 +36,7 @@ bench:
 	  $(PYTHON) -m bench.stall --doc docs/benchmarks/stall.md && \
 	  $(PYTHON) -m bench.multiturn --doc docs/benchmarks/multiturn.md && \
 	  $(PYTHON) -m bench.structured --doc docs/benchmarks/structured.md && \
+	  $(PYTHON) -m bench.schema_following --doc docs/benchmarks/schema_following.md && \
 	  $(PYTHON) -m bench.routing --doc docs/benchmarks/routing.md ;; esac
 	$(PYTHON) -m bench.serving $(BENCH_ARGS)
 	case "$(BENCH_ARGS)" in *--quick*) ;; *) cp bench/results/serving.json docs/benchmarks/ ;; esac

@@ -254,8 +254,8 @@ def _anthropic_paths(err: ApiError) -> ApiError:
 
 
 def build_messages_job(req: MessagesRequest, tokenizer, max_model_len: int,
-                       max_tokens_limit: int = 0,
-                       grammars: GrammarCompiler | None = None) -> JobSpec:
+                       max_tokens_limit: int = 0, grammars: GrammarCompiler | None = None,
+                       schema_prompt: bool = True) -> JobSpec:
     """One engine job for a Messages request; raises ApiError before any submission."""
     if req.max_tokens >= max_model_len:
         # The engine's check would blame the prompt (chat's max_tokens is optional; this one
@@ -266,14 +266,15 @@ def build_messages_job(req: MessagesRequest, tokenizer, max_model_len: int,
             param="max_tokens", code="context_length_exceeded")
     try:
         return build_chat_job(chat_request(req), tokenizer, max_model_len, max_tokens_limit,
-                              grammars, MESSAGES_NAMES)
+                              grammars, MESSAGES_NAMES, schema_prompt)
     except ApiError as err:
         raise _anthropic_paths(err) from None
 
 
-def count_tokens(req: CountTokensRequest, tokenizer, max_model_len: int) -> int:
+def count_tokens(req: CountTokensRequest, tokenizer, max_model_len: int,
+                 schema_prompt: bool = True) -> int:
     """The prompt tokens a Messages request with this conversation and these tools runs."""
     try:
-        return len(chat_prompt(chat_request(req), tokenizer, max_model_len)[0])
+        return len(chat_prompt(chat_request(req), tokenizer, max_model_len, schema_prompt)[0])
     except ApiError as err:
         raise _anthropic_paths(err) from None

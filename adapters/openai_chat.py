@@ -33,6 +33,7 @@ from adapters.openai_types import (
     Usage,
 )
 from adapters.prompt_size import encode_bounded
+from adapters.schema_prompt import carried, instruction
 from adapters.structured import (
     compile_grammar,
     compile_requested,
@@ -221,9 +222,10 @@ def chat_grammar(req: ChatCompletionRequest, plan: ToolPlan | None,
     return compile_requested(grammars, grammar)
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer, max_model_len: int
-                ) -> tuple[list[int], ToolPlan | None]:
-    """The request's prompt ids (its tools described as the tool format says) and its tool
+def chat_prompt(req: ChatCompletionRequest, tokenizer, max_model_len: int,
+                schema_prompt: bool = True) -> tuple[list[int], ToolPlan | None]:
+    """The request's prompt ids (its tools described as the tool format says, the schema its
+    answer is held to shown unless `schema_prompt` or the request's extra says not) and its tool
     plan. /v1/messages/count_tokens counts these ids too, so they are what a job would run."""
     plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, req.functions,
                      req.function_call)
@@ -235,18 +237,47 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer, max_model_len: int
             template_tools = [t.schema() for t in plan.tools]
         else:
             messages = with_tool_prompt(messages, plan)
+    elif req.schema_prompt if req.schema_prompt is not None else schema_prompt:
+        messages = with_schema_shown(messages, answer_schema(req))
     return render_prompt(tokenizer, messages, max_model_len, template_tools), plan
+
+
+def answer_schema(req: ChatCompletionRequest) -> dict[str, Any] | bool | None:
+    """The JSON schema the answer is held to (`response_format`, `guided_json`), or None."""
+    schema = response_schema(req.response_format)
+    if schema is None and isinstance(req.guided_json, dict | bool):
+        return req.guided_json
+    if schema is None and isinstance(req.guided_json, str):
+        try:
+            return json.loads(req.guided_json)
+        except ValueError:
+            return None  # the grammar's compilation names the field
+    return schema
+
+
+def with_schema_shown(messages: list[dict[str, Any]], schema: dict[str, Any] | bool | None
+                      ) -> list[dict[str, Any]]:
+    """`messages` with the schema's instruction merged into the system message (one is added
+    first where there is none), unless the conversation already shows it."""
+    texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+    if schema is None or schema is False or carried(schema, texts):
+        return messages
+    text = instruction(schema)
+    if messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"},
+                *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def build_chat_job(req: ChatCompletionRequest, tokenizer, max_model_len: int,
                    max_tokens_limit: int = 0, grammars: GrammarCompiler | None = None,
-                   names: ParamNames = CHAT_NAMES) -> JobSpec:
+                   names: ParamNames = CHAT_NAMES, schema_prompt: bool = True) -> JobSpec:
     """Translate a chat request into one engine job; raises ApiError before any submission.
     `grammars` compiles structured outputs and tool grammars (here, on the request's thread);
     `names` is how the client's protocol names the parameters (/v1/messages builds chat
-    requests too)."""
+    requests too); `schema_prompt`: the server's default for showing a schema (`chat_prompt`)."""
     check_supported(req)
-    prompt_ids, plan = chat_prompt(req, tokenizer, max_model_len)
+    prompt_ids, plan = chat_prompt(req, tokenizer, max_model_len, schema_prompt)
     grammar = chat_grammar(req, plan, grammars)
     # ChatOpenAI sends max_completion_tokens, older clients max_tokens; the newer name wins.
     if req.max_completion_tokens is not None:

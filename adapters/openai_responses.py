@@ -305,7 +305,8 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatC
 
 def build_responses_job(req: ResponsesRequest, previous: list[dict[str, Any]] | None,
                         tokenizer, max_model_len: int, max_tokens_limit: int = 0,
-                        grammars: GrammarCompiler | None = None) -> ResponsesJob:
+                        grammars: GrammarCompiler | None = None,
+                        schema_prompt: bool = True) -> ResponsesJob:
     """Translate a Responses request (continuing `previous`, the stored conversation of its
     previous_response_id) into one engine job; raises ApiError before any submission."""
     check_supported(req)
@@ -316,5 +317,5 @@ def build_responses_job(req: ResponsesRequest, previous: list[dict[str, Any]] | 
     with responses_names():
         chat = chat_request(req, [*instructions, *history, *reader.messages])
         spec = build_chat_job(chat, tokenizer, max_model_len, max_tokens_limit, grammars,
-                              RESPONSES_NAMES)
+                              RESPONSES_NAMES, schema_prompt)
     return ResponsesJob(spec, history + reader.messages, reader.items)

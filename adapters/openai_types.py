@@ -95,6 +95,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     function_call: Any | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    # seqgate's extra: show the model the schema its answer is held to (adapters/schema_prompt.py);
+    # None: the server's --schema-prompt.
+    schema_prompt: bool | None = None
     # Accepted so they can be refused by name (or ignored when harmless).
     audio: Any | None = None
     modalities: list[str] | None = None

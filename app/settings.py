@@ -56,6 +56,8 @@ class ServerSettings:
     max_tokens_limit: int = 0
     request_timeout: float = 0.0
     max_concurrent_per_key: int = 0
+    # Show the model the JSON schema a constrained answer is held to (adapters/schema_prompt.py).
+    schema_prompt: bool = True
     # The Responses API's store (app/response_store.py): responses kept for GET, cancel and
     # previous_response_id, the oldest evicted first past either bound (0 entries: none kept).
     response_store_entries: int = 1000
@@ -342,6 +344,9 @@ OPTIONS: tuple[Option, ...] = (
            "--request-timeout", "seconds a request may run before it is cancelled (0: no limit)"),
     Option("max_concurrent_per_key", "server", _int(0), (), "--max-concurrent-per-key",
            "open requests per API key; more get 429 (0: no limit; needs API keys)"),
+    Option("schema_prompt", "server", _bool, ("option.schema_prompt",), "--schema-prompt",
+           "show the model the JSON schema a response_format or guided_json holds its answer to, "
+           "in the system message (true | false; per request: the schema_prompt extra)"),
     Option("response_store_entries", "server", _int(0), ("option.response_store_entries",),
            "--response-store-entries",
            "/v1/responses kept for retrieval and previous_response_id, at most (the oldest "

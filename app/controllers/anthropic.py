@@ -86,7 +86,8 @@ class MessagesController(Controller):
                     ) -> tuple[tuple[MessagesRequest, JobSpec, object], list[JobSpec]]:
             req = decode(request, body, MessagesRequest, gw.model_name)
             spec = build_messages_job(req, engine.tokenizer, engine.max_model_len,
-                                      gw.settings.server.max_tokens_limit, engine.grammars)
+                                      gw.settings.server.max_tokens_limit, engine.grammars,
+                                      gw.settings.server.schema_prompt)
             return (req, spec, engine.tokenizer), [spec]
 
         (req, spec, tokenizer), stream = await open_request(gw, request, self.path,
@@ -116,6 +117,7 @@ class MessagesController(Controller):
 
         def prepare() -> int:
             req = decode(request, body, CountTokensRequest, gw.model_name)
-            return count_tokens(req, engine.tokenizer, engine.max_model_len)
+            return count_tokens(req, engine.tokenizer, engine.max_model_len,
+                                gw.settings.server.schema_prompt)
 
         return json_response(CountTokensResponse(await gw.off_loop(prepare)))

@@ -72,7 +72,8 @@ class ChatCompletionsController(Controller):
                     ) -> tuple[tuple[ChatCompletionRequest, JobSpec], list[JobSpec]]:
             req = decode(request, body, ChatCompletionRequest, gw.model_name)
             spec = build_chat_job(req, engine.tokenizer, engine.max_model_len,
-                                  gw.settings.server.max_tokens_limit, engine.grammars)
+                                  gw.settings.server.max_tokens_limit, engine.grammars,
+                                  schema_prompt=gw.settings.server.schema_prompt)
             return (req, spec), [spec]
 
         (req, spec), stream = await open_request(gw, request, self.path, CHAT_NAMES, prepare)

@@ -121,7 +121,8 @@ class ResponsesController(Controller):
             previous = (gw.responses.history(req.previous_response_id, owner)
                         if req.previous_response_id else None)
             job = build_responses_job(req, previous, engine.tokenizer, engine.max_model_len,
-                                      gw.settings.server.max_tokens_limit, engine.grammars)
+                                      gw.settings.server.max_tokens_limit, engine.grammars,
+                                      gw.settings.server.schema_prompt)
             caching = engine.stats().prefix_cache_capacity_bytes > 0
             return (req, job, caching), [job.spec]
 
