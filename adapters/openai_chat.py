@@ -4,6 +4,7 @@ engine deltas → a response or stream chunks."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from adapters.errors import CHAT_NAMES, ApiError, ParamNames
@@ -33,6 +34,7 @@ from adapters.openai_types import (
     Usage,
 )
 from adapters.prompt_size import encode_bounded
+from adapters.schema_budget import within_budget
 from adapters.schema_prompt import carried, instruction
 from adapters.structured import (
     compile_grammar,
@@ -198,11 +200,16 @@ def _has_tool_traffic(messages: list[ChatMessage]) -> bool:
 
 
 def chat_grammar(req: ChatCompletionRequest, plan: ToolPlan | None,
-                 grammars: GrammarCompiler | None) -> CompiledGrammar | None:
+                 grammars: GrammarCompiler | None, fits: Callable[[Any], Any] | None = None
+                 ) -> CompiledGrammar | None:
     """The grammar the answer must follow: the tools' (calls, or a plain answer under `auto`),
-    a `guided_*` extra, or the response_format's schema; None when the answer is free."""
+    a `guided_*` extra, or the response_format's schema; None when the answer is free.
+    `fits` bounds a schema to the answer's token budget (adapters/schema_budget.py)."""
     schema = response_schema(req.response_format)
     guided = guided_grammar(req)
+    fits = fits or (lambda s: s)
+    if guided is not None and guided[1] == "guided_json" and isinstance(req.guided_json, dict):
+        guided = Grammar.json_schema(fits(req.guided_json)), "guided_json"
     if guided is not None and schema is not None:
         raise ApiError.bad_request(f"{guided[1]} cannot be combined with a response_format",
                                    param=guided[1])
@@ -218,7 +225,7 @@ def chat_grammar(req: ChatCompletionRequest, plan: ToolPlan | None,
             compile_grammar(grammars, Grammar.json_schema(tool.parameters), f"{where}.parameters")
         grammar = Grammar.lark(tool_grammar(plan, schema)), plan.param
     elif schema is not None:
-        grammar = Grammar.json_schema(schema), "response_format"
+        grammar = Grammar.json_schema(fits(schema)), "response_format"
     return compile_requested(grammars, grammar)
 
 
@@ -278,7 +285,6 @@ def build_chat_job(req: ChatCompletionRequest, tokenizer, max_model_len: int,
     requests too); `schema_prompt`: the server's default for showing a schema (`chat_prompt`)."""
     check_supported(req)
     prompt_ids, plan = chat_prompt(req, tokenizer, max_model_len, schema_prompt)
-    grammar = chat_grammar(req, plan, grammars)
     # ChatOpenAI sends max_completion_tokens, older clients max_tokens; the newer name wins.
     if req.max_completion_tokens is not None:
         requested = req.max_completion_tokens
@@ -286,6 +292,12 @@ def build_chat_job(req: ChatCompletionRequest, tokenizer, max_model_len: int,
     else:
         requested = req.max_tokens
     budget = max_tokens_for(requested, len(prompt_ids), max_model_len, names, max_tokens_limit)
+    # Only a limit the client or the operator set bounds a schema: one that follows from the
+    # prompt's length would make a new grammar (a compilation) of every prompt length.
+    limited = requested is not None or max_tokens_limit > 0
+    grammar = chat_grammar(req, plan, grammars, (lambda schema: within_budget(
+        schema, budget, lambda text: len(tokenizer.encode(text, add_special_tokens=False))))
+        if limited else None)
     params = sampling_params(req, names, max_tokens=budget, logprobs=bool(req.logprobs),
                              top_logprobs=req.top_logprobs or 0)
     params.grammar = grammar

@@ -66,6 +66,51 @@ def test_sdk_parse_returns_the_pydantic_model(live_server):
     assert City.model_validate_json(choice.message.content) == choice.message.parsed
 
 
+class PlainCity(BaseModel):
+    """As users write models: no `max_length`, one bounded number (issue 32's example)."""
+
+    name: str
+    country: str
+    population_millions: float = Field(ge=0, le=100)
+
+
+def test_a_plain_model_completes_within_max_tokens(live_server):
+    """The SDK's parse and LangChain's with_structured_output on a model without string bounds:
+    the schema is shown and bounded to the budget, so the JSON completes and parses."""
+    client = live_server.client()
+    for seed in (None, 1):
+        completion = client.chat.completions.parse(
+            model="", messages=[{"role": "user", "content": "Describe Paris as a city record."}],
+            response_format=PlainCity, max_tokens=200, temperature=0 if seed is None else 1,
+            seed=seed)
+        assert isinstance(completion.choices[0].message.parsed, PlainCity)
+    structured = chat_model(live_server, max_tokens=200).with_structured_output(PlainCity)
+    assert isinstance(structured.invoke("Describe Paris as a city record."), PlainCity)
+
+
+def test_the_shown_schema_counts_in_prompt_tokens_and_can_be_turned_off(http):
+    body = {"messages": [{"role": "user", "content": "Describe Paris."}], "max_tokens": 60,
+            "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "city", "schema": PlainCity.model_json_schema()}}}
+    shown = http.post("/v1/chat/completions", json=body).json()
+    hidden = http.post("/v1/chat/completions", json={**body, "schema_prompt": False}).json()
+    free = http.post("/v1/chat/completions", json={
+        k: v for k, v in body.items() if k != "response_format"}).json()
+    assert shown["usage"]["prompt_tokens"] > hidden["usage"]["prompt_tokens"]
+    assert hidden["usage"]["prompt_tokens"] == free["usage"]["prompt_tokens"]
+    json.loads(shown["choices"][0]["message"]["content"])
+
+
+def test_json_cut_by_max_tokens_says_length(http):
+    body = {"messages": [{"role": "user", "content": "Describe Paris."}], "max_tokens": 3,
+            "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "city", "schema": PlainCity.model_json_schema()}}}
+    choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    with pytest.raises(ValueError):
+        json.loads(choice["message"]["content"])
+
+
 def test_json_schema_body_conforms_and_validates(http, schema_errors):
     schema = City.model_json_schema()
     body = {"messages": [{"role": "user", "content": "A city, please."}], "temperature": 0,
