@@ -24,7 +24,7 @@ What it measures, and why:
      in-flight request ended (completed, or 503 / an SSE error event then [DONE]); the server
      must exit 0 within --drain-timeout + --exit-margin.
   4. Reads the /v1/responses store's bytes and entries from /metrics with every RSS reading: the
-     soak runs the server with a small store (--response-store-bytes, 256 KiB) so that it fills
+     soak runs the server with a small store (--response-store-bytes, 128 KiB) so that it fills
      and evicts under load; its bytes must never exceed that bound.
   5. Scrapes /metrics before SIGTERM: `seqgate_abort_free_steps` (engine steps from an abort to
      the slot being free; target: all within 3) and `seqgate_request_outcomes_total`; "n/a" when
@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--exchanges", type=int, default=400, help="ShareGPT exchanges to draw from")
     ap.add_argument("--request-timeout", type=float, default=180.0,
                     help="a request with no answer after this long counts as unanswered")
-    ap.add_argument("--response-store-bytes", type=int, default=256 * 1024,
+    ap.add_argument("--response-store-bytes", type=int, default=128 * 1024,
                     help="passed to seqgate serve: small, so the store fills within the soak")
     ap.add_argument("--fuzz-examples", type=int, default=DEFAULT_FUZZ_EXAMPLES,
                     help="FUZZ_MAX_EXAMPLES for the schemathesis run")
