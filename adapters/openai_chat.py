@@ -70,6 +70,9 @@ def check_supported(req: ChatCompletionRequest) -> None:
         raise ApiError.unsupported("prediction")
     if req.web_search_options is not None:
         raise ApiError.unsupported("web_search_options")
+    if req.echo:
+        raise ApiError.unsupported("echo", " on chat (/v1/completions echoes the prompt, with "
+                                   "its log-probabilities under logprobs)")
     if req.top_logprobs and not req.logprobs:
         raise ApiError.bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from msgspec import UNSET
+
 from adapters.errors import COMPLETION_NAMES, ApiError
 from adapters.limits import MAX_CHOICES, MAX_PROMPTS
 from adapters.openai_params import (
@@ -19,6 +21,7 @@ from adapters.openai_types import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprob,
 )
 from adapters.prompt_size import encode_bounded
 from adapters.structured import (
@@ -28,7 +31,7 @@ from adapters.structured import (
 )
 from adapters.token_text import TokenText
 from adapters.usage import UsageCounter
-from engine import JobDelta
+from engine import JobDelta, TokenLogprob
 from engine.sample.grammar import CompiledGrammar, Grammar, GrammarCompiler
 
 # OpenAI's own default for this endpoint (chat has none).
@@ -87,9 +90,6 @@ def check_supported(req: CompletionRequest) -> None:
     n = 1 if req.n is None else req.n
     if req.best_of is not None and req.best_of != n:
         raise ApiError.unsupported("best_of", " (only best_of equal to n)")
-    if req.echo and req.logprobs is not None:
-        raise ApiError.unsupported("echo", " together with logprobs (prompt log-probabilities "
-                                   "are not computed)")
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise ApiError.bad_request(f"logprobs must be in [0, 20], got {req.logprobs}",
                                    param="logprobs")
@@ -127,28 +127,61 @@ def build_completion_jobs(req: CompletionRequest, tokenizer, max_model_len: int,
                                 max_tokens_limit)
         params = sampling_params(req, COMPLETION_NAMES, max_tokens=budget,
                                  logprobs=req.logprobs is not None,
-                                 top_logprobs=req.logprobs or 0)
+                                 top_logprobs=req.logprobs or 0,
+                                 prompt_logprobs=prompt_logprobs_of(req))
         params.grammar = grammar
         jobs.append(JobSpec(p.ids, params))
     return jobs, prompts
 
 
-class _LogprobsBuilder:
-    """Completions-format logprobs for one choice: parallel lists, with character offsets."""
+def prompt_logprobs_of(req: CompletionRequest) -> int | None:
+    """How many alternatives each prompt token's log-probability reports, when they are asked:
+    by `prompt_logprobs` (vLLM's), or by `echo` with `logprobs` (OpenAI's: the echoed prompt's
+    tokens lead the choice's logprobs, the first with null)."""
+    if req.prompt_logprobs is not None:
+        return max(req.prompt_logprobs, req.logprobs or 0) if req.echo else req.prompt_logprobs
+    return req.logprobs if req.echo and req.logprobs is not None else None
 
-    def __init__(self, offset: int):
+
+def vllm_prompt_logprobs(entries: list[TokenLogprob | None], k: int, token_text: TokenText
+                         ) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, the token and its `k` top alternatives."""
+    out: list[dict[str, PromptLogprob] | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = {str(t): PromptLogprob(v, r + 1, token_text.text(t))
+                  for r, (t, v) in enumerate(entry.top[:k])}
+        ranked.setdefault(str(entry.token_id), PromptLogprob(
+            entry.logprob, entry.rank, token_text.text(entry.token_id)))
+        out.append(ranked)
+    return out
+
+
+class _LogprobsBuilder:
+    """Completions-format logprobs for one choice: parallel lists, with character offsets (an
+    echoed prompt's tokens first, from `prompt_logprobs` of the choice's first delta)."""
+
+    def __init__(self, prompt: Prompt, echo: bool, top: int | None):
         self.lp = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-        self.offset = offset
+        self.prompt, self.offset, self.echo, self.top_n = prompt, 0, echo, top
 
     def add(self, delta: JobDelta, token_text: TokenText) -> CompletionLogprobs:
         part = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-        for entry in delta.logprobs or []:
-            text = token_text.text(entry.token_id)
-            top = {token_text.text(t): v for t, v in entry.top}
-            top.setdefault(text, entry.logprob)  # the chosen token always appears, as in vLLM
+        entries: list[TokenLogprob | None] = list(delta.logprobs or [])
+        if self.echo and delta.prompt_logprobs is not None:
+            entries = [*delta.prompt_logprobs, *entries]
+        for entry in entries:
+            if entry is None:  # the prompt's first token: nothing precedes it
+                text, logprob, top = token_text.text(self.prompt.ids[0]), None, None
+            else:
+                text, logprob = token_text.text(entry.token_id), entry.logprob
+                top = {token_text.text(t): v for t, v in entry.top[: self.top_n]}
+                top.setdefault(text, entry.logprob)  # the chosen token always appears (vLLM)
             for target in (self.lp, part):
                 target.tokens.append(text)
-                target.token_logprobs.append(entry.logprob)
+                target.token_logprobs.append(logprob)
                 target.top_logprobs.append(top)
                 target.text_offset.append(self.offset)
             self.offset += len(text)
@@ -159,12 +192,15 @@ class CompletionAssembler:
     """Collects every job's deltas into the non-streaming completions response."""
 
     def __init__(self, meta: ResponseMeta, prompts: list[Prompt], n: int, echo: bool,
-                 token_text: TokenText, logprobs: bool):
+                 token_text: TokenText, logprobs: bool, top: int | None = None,
+                 prompt_logprobs: int | None = None):
         self.meta, self.n, self.token_text = meta, n, token_text
         count = len(prompts) * n
         self.texts = [[prompts[i // n].text] if echo else [] for i in range(count)]
-        self.logprobs = [_LogprobsBuilder(len(prompts[i // n].text) if echo else 0)
+        self.logprobs = [_LogprobsBuilder(prompts[i // n], echo, top)
                          if logprobs else None for i in range(count)]
+        self.prompt_k = prompt_logprobs
+        self.prompt_logprobs: list = [UNSET] * count
         self.finish: list[str | None] = [None] * count
         self.usage = UsageCounter()
 
@@ -174,13 +210,17 @@ class CompletionAssembler:
         self.texts[i].append(delta.text)
         if (lp := self.logprobs[i]) is not None:
             lp.add(delta, self.token_text)
+        if self.prompt_k is not None and delta.prompt_logprobs is not None:
+            self.prompt_logprobs[i] = vllm_prompt_logprobs(delta.prompt_logprobs, self.prompt_k,
+                                                           self.token_text)
         if delta.finish_reason is not None:
             self.finish[i] = openai_finish_reason(delta.finish_reason)
 
     def response(self) -> CompletionResponse:
         choices = [CompletionChoice(index=i, text="".join(t),
                                     logprobs=self.logprobs[i].lp if self.logprobs[i] else None,
-                                    finish_reason=self.finish[i] or "stop")
+                                    finish_reason=self.finish[i] or "stop",
+                                    prompt_logprobs=self.prompt_logprobs[i])
                    for i, t in enumerate(self.texts)]
         m = self.meta
         return CompletionResponse(id=m.id, created=m.created, model=m.model, choices=choices,
@@ -192,12 +232,14 @@ class CompletionChunker:
     """Turns deltas into completions stream chunks (same shape as the response, one choice)."""
 
     def __init__(self, meta: ResponseMeta, prompts: list[Prompt], n: int, echo: bool,
-                 token_text: TokenText, logprobs: bool, include_usage: bool):
+                 token_text: TokenText, logprobs: bool, include_usage: bool,
+                 top: int | None = None, prompt_logprobs: int | None = None):
         self.meta, self.prompts, self.n, self.echo = meta, prompts, n, echo
         self.token_text, self.include_usage = token_text, include_usage
         count = len(prompts) * n
-        self.logprobs = [_LogprobsBuilder(len(prompts[i // n].text) if echo else 0)
+        self.logprobs = [_LogprobsBuilder(prompts[i // n], echo, top)
                          if logprobs else None for i in range(count)]
+        self.prompt_k = prompt_logprobs
         self.usage = UsageCounter()
 
     def _chunk(self, choices: list[CompletionChoice]) -> CompletionResponse:
@@ -218,9 +260,12 @@ class CompletionChunker:
         builder = self.logprobs[i]
         lp = builder.add(delta, self.token_text) if builder is not None else None
         finish = openai_finish_reason(delta.finish_reason)
-        if not delta.text and finish is None and not (lp and lp.tokens):
+        prompt = UNSET
+        if self.prompt_k is not None and delta.prompt_logprobs is not None:
+            prompt = vllm_prompt_logprobs(delta.prompt_logprobs, self.prompt_k, self.token_text)
+        if not delta.text and finish is None and not (lp and lp.tokens) and prompt is UNSET:
             return []
-        return [self._chunk([CompletionChoice(i, delta.text, lp, finish)])]
+        return [self._chunk([CompletionChoice(i, delta.text, lp, finish, prompt)])]
 
     def finish(self) -> list[CompletionResponse]:
         if not self.include_usage:

@@ -78,7 +78,8 @@ def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float]:
 
 
 def sampling_params(req: SamplingFields, names: ParamNames, *, max_tokens: int,
-                    logprobs: bool = False, top_logprobs: int = 0) -> SamplingParams:
+                    logprobs: bool = False, top_logprobs: int = 0,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """Build and validate the engine parameters; raises ApiError(400) naming the parameter."""
     if req.stream_options is not None and not req.stream:
         raise ApiError.bad_request("stream_options is only allowed with stream=true",
@@ -102,6 +103,7 @@ def sampling_params(req: SamplingFields, names: ParamNames, *, max_tokens: int,
         n=1 if req.n is None else req.n,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
         priority=req.priority or 0,
     )

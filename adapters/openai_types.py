@@ -103,6 +103,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     modalities: list[str] | None = None
     prediction: Any | None = None
     web_search_options: Any | None = None
+    echo: bool | None = None  # /v1/completions' (prompt log-probabilities are served there)
     reasoning_effort: str | None = None
     store: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -119,6 +120,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     suffix: str | None = None
     best_of: int | None = None
     response_format: dict[str, Any] | None = None  # vLLM accepts it here too
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's log-probabilities, in the choice
 
 
 class TokenizeRequest(Struct, kw_only=True):
@@ -247,11 +249,21 @@ class CompletionLogprobs(Struct):
     text_offset: list[int]
 
 
+class PromptLogprob(Struct):
+    """One alternative at a prompt position, as vLLM reports `prompt_logprobs`."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
 class CompletionChoice(Struct):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    # vLLM's prompt_logprobs: per prompt token (None for the first), token id -> its entry.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | UnsetType = UNSET
 
 
 class CompletionResponse(Struct):

@@ -13,6 +13,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # its rank in the distribution (1: the likeliest), where computed
 
 
 @dataclass
@@ -36,6 +37,9 @@ class JobDelta:
     # Why it failed, when the request itself is the cause: "grammar" (the output could not
     # follow the request's grammar with this tokenizer); None: an engine failure.
     error_cause: str | None = None
+    # On a sequence's first delta, when asked: each prompt token's log-probability (None for the
+    # first, which nothing precedes).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:

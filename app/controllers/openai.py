@@ -115,10 +115,11 @@ class CompletionsController(Controller):
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             chunker = CompletionChunker(meta, prompts, n, echo, gw.token_text, logprobs,
-                                        include_usage)
+                                        include_usage, req.logprobs, req.prompt_logprobs)
             return sse_response(stream, chunker.start(), chunker.on_delta, chunker.finish,
                                 gw.settings.server.sse_ping_seconds)
-        assembler = CompletionAssembler(meta, prompts, n, echo, gw.token_text, logprobs)
+        assembler = CompletionAssembler(meta, prompts, n, echo, gw.token_text, logprobs,
+                                        req.logprobs, req.prompt_logprobs)
         await collect(stream, request, assembler.add)
         return json_response(assembler.response())
 

@@ -29,6 +29,7 @@ from engine.outputs import EngineStats, StepStats
 from engine.request.job import Job
 from engine.sample.decoder import TokenDecoder, fail
 from engine.sample.grammar import GrammarCompiler
+from engine.sample.sampling import logprobs_for
 from engine.sample.speculative import Speculator
 from engine.sched.caching import CachePolicy
 from engine.sched.plan import StepPlan
@@ -212,6 +213,10 @@ class EngineCore:
                 job.release_prompt()
                 continue
             job.computed = chunk.stop
+            if result.prompt_logits is not None:  # the prompt's log-probabilities, asked
+                targets = job.fill_ids[chunk.start + 1 : chunk.stop + 1]
+                job.prompt_logprobs += logprobs_for(result.prompt_logits, targets, [
+                    job.params.prompt_logprobs] * len(targets), ranks=True)
             if result.hidden is not None:
                 job.hidden.append(result.hidden)
             if chunk.last:

@@ -29,6 +29,9 @@ class Chunk:
     start: int
     logits: bool  # the prompt's last chunk: its last position's logits are wanted
     hidden: bool  # last-layer hidden states of its positions are wanted (contrastive search)
+    # The prompt's tokens that follow its positions, when their log-probabilities are wanted (one
+    # per position, one fewer in the prompt's last chunk); None: not wanted.
+    targets: list[int] | None = None
 
 
 # The rate of attention kernels relative to matrix products (`ModelRunner.attention_tokens`).
@@ -44,6 +47,8 @@ class GroupResult:
     first: torch.Tensor | None = None  # decode: each row's first token in `logits`, `hidden`
     first_host: list[int] | None = None  # the same, on the host
     drafts: list[list[int]] | None = None  # decode: each row's draft fed after its token
+    # A chunk with targets: the logits of the positions that predict them, [targets, vocab].
+    prompt_logits: torch.Tensor | None = None
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
@@ -145,8 +150,9 @@ class ModelRunner:
             if want_hidden and job.prefix is not None:
                 job.hidden = [job.prefix.hidden]
             job.prefix = None
+        targets = job.fill_ids[chunk.start + 1 : chunk.stop + 1] if job.scores_prompt else None
         return Chunk(job.kv, job.fill_ids[chunk.start : chunk.stop], chunk.start, chunk.last,
-                     want_hidden)
+                     want_hidden, targets)
 
     def prefill_chunk(self, chunk: Chunk) -> GroupResult:
         """Compute one chunk alone (models without the packed path, or a step with nothing
@@ -158,10 +164,12 @@ class ModelRunner:
             position_ids=torch.arange(start, stop, device=self.device)[None],
             cache=chunk.cache,
             output_hidden_states=chunk.hidden,
-            logits_to_keep=1,
+            logits_to_keep=0 if chunk.targets else 1,  # 0: every position's
         )
         logits = out.logits[0, -1].float() if chunk.logits else None
-        return GroupResult(logits, out.hidden_states[-1][0] if chunk.hidden else None)
+        scored = out.logits[0, : len(chunk.targets)] if chunk.targets else None
+        return GroupResult(logits, out.hidden_states[-1][0] if chunk.hidden else None,
+                           prompt_logits=scored)
 
     def decode(self, sb: SubBatch, want_hidden: bool) -> GroupResult:
         """Feed every row's pending token, or its contrastive candidates (padded to [rows, slots]
@@ -211,6 +219,7 @@ class ModelRunner:
             groups.append(packed_forward.Group(ch.cache, offset, n, 1, mask[None, None]))
             ids.append(to_device(ch.ids, self.device))
             positions.append(pos)
+            keep.extend(range(offset, offset + len(ch.targets or ())))
             if ch.logits:
                 keep.append(offset + n - 1)
             offset += n
@@ -234,10 +243,13 @@ class ModelRunner:
                                        feed.first_host, feed.drafts))
             row += g.tokens
         for ch, g in zip(chunks, groups[len(sub_batches):]):
-            lg = None
+            lg = scored = None
+            if ch.targets:
+                scored = logits[row : row + len(ch.targets)]
+                row += len(ch.targets)
             if ch.logits:
                 lg = logits[row]
                 row += 1
             h = hidden[g.start : g.start + g.tokens] if ch.hidden else None
-            results.append(GroupResult(lg, h))
+            results.append(GroupResult(lg, h, prompt_logits=scored))
         return results

@@ -90,6 +90,7 @@ class Sequence:
     error: str | None = None
     error_cause: str | None = None  # "grammar": the request's grammar could not be followed
     final_sent: bool = False  # the finishing delta went out
+    prompt_logprobs_sent: bool = False
 
     @property
     def params(self) -> SamplingParams:
@@ -139,6 +140,9 @@ class Sequence:
             error=self.error,
             error_cause=self.error_cause,
         )
+        if self.job.prompt_logprobs is not None and not self.prompt_logprobs_sent:
+            delta.prompt_logprobs = [None, *self.job.prompt_logprobs]
+            self.prompt_logprobs_sent = True
         self.out_tokens, self.out_text, self.out_logprobs = [], [], []
         return delta
 
@@ -166,6 +170,14 @@ class Job:
     resume_ids: list[int] | None = None
     preemptions: int = 0
     admitted_at: int = 0  # the scheduler's step that last admitted it
+    # The prompt's log-probabilities so far (from position 1), when asked: computed by its
+    # prefill, which then reads no cached prefix.
+    prompt_logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prefill computes the prompt's log-probabilities (asked, and not yet done)."""
+        return self.prompt_logprobs is not None and self.resume_ids is None
 
     @property
     def fill_ids(self) -> list[int]:
@@ -204,6 +216,8 @@ class Job:
         else:
             for s in self.seqs:
                 s.status = SeqStatus.WAITING
+            if self.prompt_logprobs is not None:
+                self.prompt_logprobs = []  # its prefill starts over
 
     @property
     def done(self) -> bool:
@@ -227,4 +241,6 @@ def new_job(job_id: str, prompt_ids: list[int], params: SamplingParams, strategy
     job = Job(job_id=job_id, prompt_ids=list(prompt_ids), params=params, strategy=strategy,
               emit=emit)
     job.seqs = [Sequence(job, i) for i in range(params.n)]
+    if params.prompt_logprobs is not None:
+        job.prompt_logprobs = []
     return job

@@ -106,6 +106,9 @@ class SamplingParams:
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
+    # The prompt's tokens' log-probabilities (vLLM's prompt_logprobs): None, or how many top
+    # alternatives each reports.
+    prompt_logprobs: int | None = None
     # The output must match this grammar (compiled off the engine thread: GrammarCompiler).
     grammar: CompiledGrammar | None = None
     skip_special_tokens: bool = True
@@ -168,6 +171,10 @@ class SamplingParams:
                 "top_logprobs",
                 f"{{param}} must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
             )
+        if self.prompt_logprobs is not None and \
+                not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidParams("prompt_logprobs", f"{{param}} must be in [0, {MAX_TOP_LOGPROBS}], "
+                                f"got {self.prompt_logprobs}")
         if self.strategy == "contrastive":
             self.check_contrastive()
 

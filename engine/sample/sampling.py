@@ -184,16 +184,19 @@ def sample_rows(
     return torch.where(empty, probs.argmax(dim=-1), picks).tolist()
 
 
-def logprobs_for(logits: torch.Tensor, tokens: list[int], top_n: list[int]) -> list[TokenLogprob]:
-    """The chosen tokens' log-probabilities (and top alternatives) under `logits`."""
+def logprobs_for(logits: torch.Tensor, tokens: list[int], top_n: list[int],
+                 ranks: bool = False) -> list[TokenLogprob]:
+    """The chosen tokens' log-probabilities (and top alternatives, and with `ranks` each
+    token's rank) under `logits`."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen = lp.gather(1, to_device(tokens, lp.device)[:, None]).squeeze(1)
     k = max(top_n) if top_n else 0
+    rank = ((lp > chosen[:, None]).sum(1) + 1).tolist() if ranks else [None] * len(tokens)
     if not k:
-        return [TokenLogprob(tok, c, []) for tok, c in zip(tokens, chosen.tolist())]
+        return [TokenLogprob(tok, c, [], r) for tok, c, r in zip(tokens, chosen.tolist(), rank)]
     tops = lp.topk(k, dim=-1)
     # One copy to the host of everything the rows report.
     host = torch.cat([chosen[:, None], tops.values, tops.indices.to(lp.dtype)], dim=1).tolist()
     return [TokenLogprob(tok, row[0], [(int(t), v) for t, v in zip(row[1 + k:1 + k + n],
-                                                                    row[1:1 + n])])
-            for tok, row, n in zip(tokens, host, top_n)]
+                                                                    row[1:1 + n])], r)
+            for tok, row, n, r in zip(tokens, host, top_n, rank)]

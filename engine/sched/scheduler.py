@@ -167,7 +167,9 @@ class Scheduler:
         token is left to compute: its logits give the first new token)."""
         ids = job.fill_ids
         cache = self.prefix_cache
-        if cache is not None and cache.capacity_bytes:
+        # A prompt whose log-probabilities are asked is computed whole: the cache holds KV, not
+        # the logits that score it.
+        if cache is not None and cache.capacity_bytes and not job.scores_prompt:
             job.prefix = cache.match(ids, len(ids) - 1, need_hidden=job.strategy == "contrastive",
                                      min_tokens=self.config.prompt_cache_min_tokens)
         if job.prefix is not None:

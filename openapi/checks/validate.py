@@ -139,6 +139,8 @@ EXTENSIONS = {
     "response_format",  # chat's, which vLLM also takes on /v1/completions
     "continuous_usage_stats",  # vLLM stream_options
     "decoding_strategy", "penalty_alpha",  # DJL / transformers contrastive search
+    "prompt_logprobs",  # vLLM: the prompt tokens' log-probabilities
+    "echo",  # /v1/completions', taken on chat only to be refused by name
     "schema_prompt",  # seqgate's: show the model a constraining schema (adapters/schema_prompt.py)
     "max_model_len",  # vLLM's model card
     # chat's sampling fields, which /v1/responses takes too (its request is chat's underneath)

@@ -13,7 +13,7 @@ from adapters.openai_params import ResponseMeta
 from adapters.openai_types import CompletionRequest
 from adapters.token_text import TokenText
 from engine import JobDelta, TokenLogprob
-from tests.app.schema import conforms_as_completion_chunk
+from tests.app.schema import conforms_as_completion_chunk, without_echo_nulls
 
 META = ResponseMeta("cmpl-test", 1700000000, "SmolLM2-135M-Instruct", "fp_test")
 
@@ -41,8 +41,8 @@ def test_bad_prompts_name_prompt(tokenizer, prompt):
 @pytest.mark.parametrize(("kw", "param"), [
     ({"suffix": "tail"}, "suffix"),
     ({"best_of": 3}, "best_of"),
-    ({"echo": True, "logprobs": 1}, "echo"),
     ({"logprobs": 50}, "logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
 ])
 def test_unsupported_or_invalid(tokenizer, kw, param):
     with pytest.raises(ApiError) as info:
@@ -109,3 +109,54 @@ def test_stream_chunks_conform_and_end_with_usage(tokenizer, schema_errors):
     assert chunks[2]["choices"][0] == {"index": 1, "text": " a", "logprobs": None,
                                        "finish_reason": "stop"}
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 2
+
+
+@pytest.mark.parametrize(("kw", "want"), [
+    ({}, None), ({"logprobs": 2}, None), ({"echo": True}, None),
+    ({"echo": True, "logprobs": 2}, 2), ({"prompt_logprobs": 0}, 0),
+    ({"echo": True, "logprobs": 3, "prompt_logprobs": 1}, 3),
+])
+def test_prompt_logprobs_are_asked_by_echo_with_logprobs_or_by_name(tokenizer, kw, want):
+    jobs, _ = build_completion_jobs(CompletionRequest(prompt="a b c", **kw), tokenizer, 8192)
+    assert jobs[0].params.prompt_logprobs == want
+
+
+def _prompt_delta(prompt_ids, token_ids) -> JobDelta:
+    entries = [None] + [TokenLogprob(t, -1.0 * i, [(t, -1.0 * i), (7, -9.0)], 1)
+                        for i, t in enumerate(prompt_ids[1:], start=1)]
+    d = JobDelta("j", 0, token_ids, " x", "length", [TokenLogprob(token_ids[0], -0.5,
+                                                                   [(token_ids[0], -0.5)])],
+                 len(prompt_ids), 0, 1)
+    d.prompt_logprobs = entries
+    return d
+
+
+def test_echo_with_logprobs_leads_with_the_prompt_tokens(tokenizer, schema_errors):
+    ids = tokenizer.encode("Roses are red")
+    text = TokenText(tokenizer)
+    a = CompletionAssembler(META, [Prompt(ids, "Roses are red")], 1, echo=True, token_text=text,
+                            logprobs=True, top=1)
+    a.add(0, _prompt_delta(ids, [ids[0]]))
+    body = as_json(a.response())
+    assert schema_errors("CreateCompletionResponse", without_echo_nulls(body)) == []
+    lp = body["choices"][0]["logprobs"]
+    assert lp["tokens"] == [text.text(t) for t in ids] + [text.text(ids[0])]
+    assert lp["token_logprobs"] == [None, *(-1.0 * i for i in range(1, len(ids))), -0.5]
+    assert lp["top_logprobs"][0] is None and len(lp["top_logprobs"][1]) == 1  # top=1
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][1] == len(text.text(ids[0]))
+    assert body["choices"][0]["text"] == "Roses are red x" and "prompt_logprobs" not in \
+        body["choices"][0]
+
+
+def test_vllm_prompt_logprobs_in_the_choice(tokenizer):
+    ids = tokenizer.encode("Roses are red")
+    a = CompletionAssembler(META, [Prompt(ids, "Roses are red")], 1, echo=False,
+                            token_text=TokenText(tokenizer), logprobs=False, prompt_logprobs=1)
+    a.add(0, _prompt_delta(ids, [ids[0]]))
+    choice = as_json(a.response())["choices"][0]
+    entries = choice["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids) and choice["logprobs"] is None
+    first = entries[1]
+    assert first[str(ids[1])] == {"logprob": -1.0, "rank": 1,
+                                  "decoded_token": TokenText(tokenizer).text(ids[1])}
+    assert len(first) == 1  # k=1 alternatives, the prompt's token among them

@@ -33,3 +33,17 @@ def conforms_as_completion_chunk(schema_errors, chunk) -> bool:
     OpenAI (and vLLM) send null until a choice finishes, so that one deviation is allowed."""
     errors = schema_errors("CreateCompletionResponse", chunk, limit=50)
     return all("finish_reason: None" in e for e in errors)
+
+
+def without_echo_nulls(body: dict) -> dict:
+    """A completions body with each choice's echoed first token given a logprob: OpenAI's API
+    sends null there (nothing precedes the prompt's first token) where its schema says number
+    (openapi/checks/validate.py accepts the difference); everything else must conform."""
+    import copy
+
+    body = copy.deepcopy(body)
+    for choice in body.get("choices", []):
+        lp = choice.get("logprobs") or {}
+        if lp.get("token_logprobs") and lp["token_logprobs"][0] is None:
+            lp["token_logprobs"][0], lp["top_logprobs"][0] = 0.0, {}
+    return body

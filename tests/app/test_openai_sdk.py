@@ -10,7 +10,7 @@ import pytest
 
 from adapters.openai_chat import render_prompt
 from engine import SamplingParams
-from tests.app.schema import conforms_as_completion_chunk
+from tests.app.schema import conforms_as_completion_chunk, without_echo_nulls
 from tests.app.sse import read_stream
 
 pytestmark = pytest.mark.slow  # a live server with the real model
@@ -210,6 +210,32 @@ def test_completions_echo_and_logprobs(live_server):
     assert "".join(logprobs.tokens) == lp.choices[0].text
     assert all(len(t) >= 2 for t in logprobs.top_logprobs)
     assert echo.choices[0].text == "Roses are red," + lp.choices[0].text
+
+
+def test_completions_echo_with_logprobs_scores_the_prompt(live_server, http, schema_errors):
+    """What lm-evaluation-harness's log-likelihood tasks send: token ids, echo, logprobs=1,
+    max_tokens=1; and vLLM's prompt_logprobs extra, which agrees with it."""
+    ids = live_server.engine.tokenizer.encode("Roses are red, violets are blue,")
+    body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}
+    reply = http.post("/v1/completions", json=body).json()
+    assert schema_errors("CreateCompletionResponse", without_echo_nulls(reply)) == []
+    lp = reply["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(ids) + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v <= 0 for v in lp["token_logprobs"][1:])
+    assert all(len(top) in (1, 2) for top in lp["top_logprobs"][1:])  # the top one, and ours
+    sdk = live_server.client().completions.create(model="", prompt=ids, max_tokens=1,
+                                                  temperature=0, echo=True, logprobs=1)
+    assert sdk.choices[0].logprobs.token_logprobs == lp["token_logprobs"]
+    vllm = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 1,
+                                              "prompt_logprobs": 2}).json()
+    entries = vllm["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    for i in range(1, len(ids)):
+        assert entries[i][str(ids[i])]["logprob"] == pytest.approx(lp["token_logprobs"][i])
+    refused = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "echo": True, "logprobs": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
 
 
 def test_completions_stream_sdk_and_raw(live_server, schema_errors):
