@@ -34,6 +34,7 @@ from adapters.openai_types import (
     Usage,
 )
 from adapters.prompt_size import encode_bounded
+from adapters.reasoning import ReasoningSplitter, starts_inside
 from adapters.schema_budget import within_budget
 from adapters.schema_prompt import carried, instruction
 from adapters.structured import (
@@ -175,18 +176,36 @@ def template_messages(messages: list[ChatMessage], tools: str = "generic"
     return out
 
 
+# What a chat template is called with; chat_template_kwargs may not replace them.
+_TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "tokenize",
+                                 "add_generation_prompt", "documents", "chat_template",
+                                 "continue_final_message", "return_dict"})
+
+
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    """The request's own chat-template variables (`chat_template_kwargs`, `reasoning_effort`)."""
+    extra = dict(req.chat_template_kwargs or {})
+    if taken := sorted(_TEMPLATE_ARGUMENTS & extra.keys()):
+        raise ApiError.bad_request(f"chat_template_kwargs may not set {', '.join(taken)}",
+                                   param="chat_template_kwargs")
+    if req.reasoning_effort is not None:
+        extra.setdefault("reasoning_effort", req.reasoning_effort)
+    return extra
+
+
 def render_prompt(tokenizer, messages: list[dict[str, Any]],
                   max_model_len: int | None = None,
-                  tools: list[dict[str, Any]] | None = None) -> list[int]:
+                  tools: list[dict[str, Any]] | None = None,
+                  variables: dict[str, Any] | None = None) -> list[int]:
     """Prompt ids for the conversation, as the model's chat template renders it (with `tools`
-    for a template that renders them). The engine's prefix cache finds whatever head of them it
-    already holds: no prefix is marked here."""
+    for a template that renders them, and the request's `variables`). The engine's prefix cache
+    finds whatever head of them it already holds: no prefix is marked here."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ApiError.bad_request("This model has no chat template; use /v1/completions.",
                                    param="messages", code="chat_template_missing")
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                             add_generation_prompt=True)
+                                             add_generation_prompt=True, **(variables or {}))
     except Exception as exc:  # a template's own checks (role order, ...) are the client's error
         raise ApiError.bad_request(f"The chat template rejected the messages: {exc}",
                                    param="messages") from None
@@ -249,7 +268,8 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer, max_model_len: int,
             messages = with_tool_prompt(messages, plan)
     elif req.schema_prompt if req.schema_prompt is not None else schema_prompt:
         messages = with_schema_shown(messages, answer_schema(req))
-    return render_prompt(tokenizer, messages, max_model_len, template_tools), plan
+    return render_prompt(tokenizer, messages, max_model_len, template_tools,
+                         template_kwargs(req)), plan
 
 
 def answer_schema(req: ChatCompletionRequest) -> dict[str, Any] | bool | None:
@@ -281,7 +301,8 @@ def with_schema_shown(messages: list[dict[str, Any]], schema: dict[str, Any] | b
 
 def build_chat_job(req: ChatCompletionRequest, tokenizer, max_model_len: int,
                    max_tokens_limit: int = 0, grammars: GrammarCompiler | None = None,
-                   names: ParamNames = CHAT_NAMES, schema_prompt: bool = True) -> JobSpec:
+                   names: ParamNames = CHAT_NAMES, schema_prompt: bool = True,
+                   reasoning_parser: str = "none") -> JobSpec:
     """Translate a chat request into one engine job; raises ApiError before any submission.
     `grammars` compiles structured outputs and tool grammars (here, on the request's thread);
     `names` is how the client's protocol names the parameters (/v1/messages builds chat
@@ -304,7 +325,12 @@ def build_chat_job(req: ChatCompletionRequest, tokenizer, max_model_len: int,
     params = sampling_params(req, names, max_tokens=budget, logprobs=bool(req.logprobs),
                              top_logprobs=req.top_logprobs or 0)
     params.grammar = grammar
-    return JobSpec(prompt_ids, params, plan if plan is not None and plan.calls_allowed else None)
+    # Whether the answer may open with thinking (None: no reasoning parser), and whether the
+    # prompt already opened the think block.
+    thinks = starts_inside(tokenizer.decode(prompt_ids[-16:])) \
+        if reasoning_parser == "think" else None
+    return JobSpec(prompt_ids, params, plan if plan is not None and plan.calls_allowed else None,
+                   thinks)
 
 
 def chat_logprobs(logprobs: list[TokenLogprob], token_text: TokenText) -> list[TokenLogprobEntry]:
@@ -328,9 +354,11 @@ class ChatAssembler:
     """Collects a job's deltas into the non-streaming chat response."""
 
     def __init__(self, meta: ResponseMeta, n: int, token_text: TokenText, logprobs: bool,
-                 tools: ToolPlan | None = None):
+                 tools: ToolPlan | None = None, thinks: bool | None = None):
         self.meta, self.token_text, self.want_logprobs = meta, token_text, logprobs
         self.tools = tools
+        self.splitters = splitters(n, thinks)
+        self.thought: list[list[str]] = [[] for _ in range(n)]
         self.texts: list[list[str]] = [[] for _ in range(n)]
         self.logprobs: list[list[TokenLogprobEntry]] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
@@ -338,7 +366,15 @@ class ChatAssembler:
 
     def add(self, delta: JobDelta) -> None:
         self.usage.add(delta)
-        self.texts[delta.index].append(delta.text)
+        text = delta.text
+        if self.splitters is not None:
+            splitter = self.splitters[delta.index]
+            thought, text = splitter.feed(text, len(delta.token_ids))
+            if delta.finish_reason is not None:
+                rest = splitter.finish()
+                thought, text = thought + rest[0], text + rest[1]
+            self.thought[delta.index].append(thought)
+        self.texts[delta.index].append(text)
         if delta.logprobs:
             self.logprobs[delta.index].extend(chat_logprobs(delta.logprobs, self.token_text))
         if delta.finish_reason is not None:
@@ -346,10 +382,13 @@ class ChatAssembler:
 
     def _message(self, i: int) -> tuple[ChatResponseMessage, str]:
         text, finish = "".join(self.texts[i]), self.finish[i] or "stop"
+        message = ChatResponseMessage(role="assistant", content=text)
+        if self.splitters is not None and self.splitters[i].opened:
+            message.reasoning_content = message.reasoning = "".join(self.thought[i])
         if self.tools is None:
-            return ChatResponseMessage(role="assistant", content=text), finish
+            return message, finish
         content, calls = parse_answer(text)
-        message = ChatResponseMessage(role="assistant", content=content)
+        message.content = content
         if calls and self.tools.legacy:
             message.function_call = FunctionCall(calls[0].name, calls[0].arguments)
         elif calls:
@@ -366,7 +405,7 @@ class ChatAssembler:
                 logprobs=ChoiceLogprobs(content=self.logprobs[i]) if self.want_logprobs else None))
         m = self.meta
         return ChatCompletionResponse(id=m.id, created=m.created, model=m.model, choices=choices,
-                                      usage=self.usage.total(),
+                                      usage=self.usage.total(reasoning_tokens(self.splitters)),
                                       system_fingerprint=m.system_fingerprint)
 
 
@@ -375,10 +414,11 @@ class ChatChunker:
     as they complete), finish, then usage."""
 
     def __init__(self, meta: ResponseMeta, n: int, token_text: TokenText, include_usage: bool,
-                 tools: ToolPlan | None = None):
+                 tools: ToolPlan | None = None, thinks: bool | None = None):
         self.meta, self.n, self.token_text = meta, n, token_text
         self.include_usage = include_usage
         self.tools = tools
+        self.splitters = splitters(n, thinks)
         self.parsers = [ToolStreamParser() for _ in range(n)] if tools is not None else None
         self.usage = UsageCounter()
 
@@ -399,18 +439,26 @@ class ChatChunker:
         finish = openai_finish_reason(delta.finish_reason)
         logprobs = (ChoiceLogprobs(content=chat_logprobs(delta.logprobs, self.token_text))
                     if delta.logprobs else None)
-        text, calls = delta.text, []
+        text, calls, thought = delta.text, [], ""
+        if self.splitters is not None:
+            splitter = self.splitters[delta.index]
+            thought, text = splitter.feed(text, len(delta.token_ids))
+            if finish is not None:
+                rest = splitter.finish()
+                thought, text = thought + rest[0], text + rest[1]
         if self.parsers is not None:
             parser = self.parsers[delta.index]
             first = parser.calls
-            text, calls = parser.feed(delta.text)
+            text, calls = parser.feed(text)
             if finish is not None:
                 text += parser.finish()
                 finish = _answer_finish(finish, parser.calls, self.tools)
             calls = list(enumerate(calls, start=first))
-        if not text and logprobs is None and finish is None and not calls:
+        if not text and logprobs is None and finish is None and not calls and not thought:
             return []  # nothing the client can see (e.g. text held back for a stop string)
         bodies: list[tuple[ChunkDelta, ChoiceLogprobs | None]] = []
+        if thought:  # the thinking goes out before the answer it precedes
+            bodies.append((ChunkDelta(reasoning_content=thought, reasoning=thought), None))
         if text or logprobs is not None:
             bodies.append((ChunkDelta(content=text), logprobs))
         for k, call in calls:
@@ -426,4 +474,15 @@ class ChatChunker:
                 for i, (body, lp) in enumerate(bodies)]
 
     def finish(self) -> list[ChatCompletionChunk]:
-        return [self._chunk([], self.usage.total())] if self.include_usage else []
+        if not self.include_usage:
+            return []
+        return [self._chunk([], self.usage.total(reasoning_tokens(self.splitters)))]
+
+
+def splitters(n: int, thinks: bool | None) -> list[ReasoningSplitter] | None:
+    """One reasoning splitter per choice, where the model has a reasoning parser."""
+    return None if thinks is None else [ReasoningSplitter.starting(thinks) for _ in range(n)]
+
+
+def reasoning_tokens(split: list[ReasoningSplitter] | None) -> int | None:
+    return None if split is None else sum(s.reasoning_tokens for s in split)

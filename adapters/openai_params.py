@@ -23,6 +23,9 @@ class JobSpec:
     prompt_ids: list[int]
     params: SamplingParams
     tools: ToolPlan | None = None  # chat: the answer may hold tool calls to parse
+    # chat with a reasoning parser: whether the output starts inside the think block; None: no
+    # parser (adapters/reasoning.py).
+    thinks: bool | None = None
 
 
 @dataclass(frozen=True)

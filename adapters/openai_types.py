@@ -104,6 +104,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     prediction: Any | None = None
     web_search_options: Any | None = None
     echo: bool | None = None  # /v1/completions' (prompt log-probabilities are served there)
+    # Passed to the chat template (a reasoning model's `enable_thinking`, ...), as vLLM does.
+    chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     store: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -145,11 +147,17 @@ class PromptTokensDetails(Struct):
     cached_tokens: int = 0
 
 
-class Usage(Struct):
+class CompletionTokensDetails(Struct):
+    reasoning_tokens: int = 0
+
+
+class Usage(Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # With a reasoning parser: how many of the completion tokens were thinking.
+    completion_tokens_details: CompletionTokensDetails | UnsetType = UNSET
 
 
 class TopLogprob(Struct):
@@ -196,6 +204,9 @@ class ChatResponseMessage(Struct):
     refusal: str | None = None
     tool_calls: list[ToolCall] | UnsetType = UNSET
     function_call: FunctionCall | UnsetType = UNSET  # the legacy `functions` answer
+    # A reasoning model's thinking (adapters/reasoning.py), under vLLM's two names.
+    reasoning_content: str | UnsetType = UNSET
+    reasoning: str | UnsetType = UNSET
 
 
 class ChatChoice(Struct):
@@ -222,6 +233,8 @@ class ChunkDelta(Struct, omit_defaults=True):
     content: str | UnsetType = UNSET
     tool_calls: list[ToolCallDelta] | UnsetType = UNSET
     function_call: FunctionCall | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
+    reasoning: str | UnsetType = UNSET
 
 
 class ChunkChoice(Struct):

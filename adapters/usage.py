@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from adapters.openai_types import PromptTokensDetails, Usage
+from adapters.openai_types import CompletionTokensDetails, PromptTokensDetails, Usage
 from engine import JobDelta
 
 
@@ -25,10 +25,14 @@ class UsageCounter:
     def completion_tokens(self) -> int:
         return sum(self._completion.values())
 
-    def total(self) -> Usage:
+    def total(self, reasoning_tokens: int | None = None) -> Usage:
+        """The usage; with `reasoning_tokens` (a reasoning parser counted them), its details."""
         prompt = sum(p for p, _ in self._prompt.values())
         cached = sum(c for _, c in self._prompt.values())
         completion = self.completion_tokens
-        return Usage(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+        usage = Usage(prompt_tokens=prompt, completion_tokens=completion,
+                      total_tokens=prompt + completion,
+                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+        if reasoning_tokens is not None:
+            usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens)
+        return usage

@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from adapters.reasoning import ALIASES as REASONING_ALIASES
+from adapters.reasoning import PARSERS as REASONING_PARSERS
 from app.properties import Property, read_properties
 from engine import ConfigError, EngineConfig
 from engine.config import (
@@ -58,6 +60,9 @@ class ServerSettings:
     max_concurrent_per_key: int = 0
     # Show the model the JSON schema a constrained answer is held to (adapters/schema_prompt.py).
     schema_prompt: bool = True
+    # How chat answers are split into thinking and content (adapters/reasoning.py): auto reads
+    # the chat template.
+    reasoning_parser: str = "auto"
     # The Responses API's store (app/response_store.py): responses kept for GET, cancel and
     # previous_response_id, the oldest evicted first past either bound (0 entries: none kept).
     response_store_entries: int = 1000
@@ -344,6 +349,10 @@ OPTIONS: tuple[Option, ...] = (
            "--request-timeout", "seconds a request may run before it is cancelled (0: no limit)"),
     Option("max_concurrent_per_key", "server", _int(0), (), "--max-concurrent-per-key",
            "open requests per API key; more get 429 (0: no limit; needs API keys)"),
+    Option("reasoning_parser", "server", _choice("auto", *REASONING_PARSERS, *REASONING_ALIASES),
+           ("option.reasoning_parser",), "--reasoning-parser",
+           "split a reasoning model's <think> block from the answer: auto (when the chat "
+           "template writes <think>), think, none"),
     Option("schema_prompt", "server", _bool, ("option.schema_prompt",), "--schema-prompt",
            "show the model the JSON schema a response_format or guided_json holds its answer to, "
            "in the system message (true | false; per request: the schema_prompt extra)"),

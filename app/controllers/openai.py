@@ -30,6 +30,7 @@ from adapters.openai_types import (
     T,
     decode_request,
 )
+from adapters.reasoning import parser_name
 from app.api_docs import documented
 from app.auth import require_api_key
 from app.lifespan import Gateway, GatewayState
@@ -71,9 +72,13 @@ class ChatCompletionsController(Controller):
         def prepare(engine: EngineClient, body: bytes
                     ) -> tuple[tuple[ChatCompletionRequest, JobSpec], list[JobSpec]]:
             req = decode(request, body, ChatCompletionRequest, gw.model_name)
+            server = gw.settings.server
             spec = build_chat_job(req, engine.tokenizer, engine.max_model_len,
-                                  gw.settings.server.max_tokens_limit, engine.grammars,
-                                  schema_prompt=gw.settings.server.schema_prompt)
+                                  server.max_tokens_limit, engine.grammars,
+                                  schema_prompt=server.schema_prompt,
+                                  reasoning_parser=parser_name(
+                                      server.reasoning_parser,
+                                      getattr(engine.tokenizer, "chat_template", None)))
             return (req, spec), [spec]
 
         (req, spec), stream = await open_request(gw, request, self.path, CHAT_NAMES, prepare)
@@ -81,10 +86,11 @@ class ChatCompletionsController(Controller):
         meta = ResponseMeta.new("chatcmpl", gw.model_name, gw.system_fingerprint)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            chunker = ChatChunker(meta, n, gw.token_text, include_usage, spec.tools)
+            chunker = ChatChunker(meta, n, gw.token_text, include_usage, spec.tools, spec.thinks)
             return sse_response(stream, chunker.start(), lambda _, d: chunker.on_delta(d),
                                 chunker.finish, gw.settings.server.sse_ping_seconds)
-        assembler = ChatAssembler(meta, n, gw.token_text, bool(req.logprobs), spec.tools)
+        assembler = ChatAssembler(meta, n, gw.token_text, bool(req.logprobs), spec.tools,
+                                  spec.thinks)
         await collect(stream, request, lambda _, d: assembler.add(d))
         return json_response(assembler.response())
 

@@ -141,6 +141,8 @@ EXTENSIONS = {
     "decoding_strategy", "penalty_alpha",  # DJL / transformers contrastive search
     "prompt_logprobs",  # vLLM: the prompt tokens' log-probabilities
     "echo",  # /v1/completions', taken on chat only to be refused by name
+    "chat_template_kwargs",  # vLLM: variables for the chat template (enable_thinking, ...)
+    "reasoning", "reasoning_content",  # vLLM: a reasoning model's thinking, apart from content
     "schema_prompt",  # seqgate's: show the model a constraining schema (adapters/schema_prompt.py)
     "max_model_len",  # vLLM's model card
     # chat's sampling fields, which /v1/responses takes too (its request is chat's underneath)

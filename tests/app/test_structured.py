@@ -293,3 +293,44 @@ def test_langchain_streams_tool_calls(live_server):
         merged = chunk if merged is None else merged + chunk
     assert merged.tool_calls and merged.tool_calls[0]["name"] == "get_weather"
     assert isinstance(merged.tool_calls[0]["args"]["city"], str)
+
+
+# -- reasoning output --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def thinking_server(gateway_engine):
+    """The embedded model behind a server that splits `<think>` blocks (--reasoning-parser
+    think); its answers are forced through a think block by a guided_regex."""
+    from app.factory import create_app
+    from tests.app.conftest import settings, start_server
+
+    srv = start_server(create_app(settings(reasoning_parser="think"), engine=gateway_engine))
+    yield srv
+    srv.stop()
+
+
+THINK_THEN_ANSWER = r"<think>[a-z ]{4,30}</think>\n\n[A-Z][a-z ]{4,30}\."
+
+
+def test_reasoning_is_split_from_the_answer_whole_and_streamed(thinking_server, schema_errors):
+    body = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 40, "temperature": 0, "guided_regex": THINK_THEN_ANSWER}
+    with httpx.Client(base_url=thinking_server.url, timeout=120) as http:
+        reply = http.post("/v1/chat/completions", json=body).json()
+        assert schema_errors("CreateChatCompletionResponse", reply) == []
+        message = reply["choices"][0]["message"]
+        assert message["reasoning_content"] == message["reasoning"] and message["reasoning"]
+        assert "<think>" not in message["content"] and "</think>" not in message["content"]
+        assert message["content"][0].isupper() and message["content"].endswith(".")
+        details = reply["usage"]["completion_tokens_details"]
+        assert 0 < details["reasoning_tokens"] < reply["usage"]["completion_tokens"]
+        with http.stream("POST", "/v1/chat/completions", json={
+                **body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+            stream = read_stream(response)
+    deltas = [e["choices"][0]["delta"] for e in stream.events if e["choices"]]
+    thought = "".join(d.get("reasoning_content", "") for d in deltas)
+    said = "".join(d.get("content") or "" for d in deltas)
+    assert (thought, said) == (message["reasoning"], message["content"])
+    first = next(i for i, d in enumerate(deltas) if d.get("content"))
+    assert not any("reasoning_content" in d for d in deltas[first:])
+    assert stream.events[-1]["usage"]["completion_tokens_details"] == details
