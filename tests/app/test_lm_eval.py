@@ -26,8 +26,10 @@ def _task_dir(tmp_path: Path) -> Path:
             "doc_to_text": "Question: {{question}}\nAnswer:", "doc_to_choice": "{{choices}}",
             "doc_to_target": "{{answer}}",
             "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]}
-    (tmp_path / f"{TASK}.yaml").write_text(yaml.safe_dump(task))
-    return tmp_path
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    (folder / f"{TASK}.yaml").write_text(yaml.safe_dump(task))
+    return folder
 
 
 def _evaluate(model, task_dir: Path) -> tuple[float, list[list[float]]]:
@@ -47,11 +49,13 @@ def test_lm_eval_multiple_choice_matches_its_own_hf_model(live_server, tmp_path,
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     task_dir = _task_dir(tmp_path)
-    tokenizer = live_server.engine.tokenizer
+    # lm-eval loads the tokenizer by path: the served one, saved (the embedded model's own
+    # folder holds a GGUF, which a tokenizer alone does not load from).
+    live_server.engine.tokenizer.save_pretrained(tmp_path / "tokenizer")
     served = LocalCompletionsAPI(
         base_url=live_server.base_url + "/completions", model=live_server.gateway.model_name,
-        tokenizer_backend="huggingface", tokenized_requests=True, tokenizer=tokenizer.name_or_path,
-        max_retries=1, num_concurrent=1)
+        tokenizer_backend="huggingface", tokenized_requests=True,
+        tokenizer=str(tmp_path / "tokenizer"), max_retries=1, num_concurrent=1)
     acc, scores = _evaluate(served, task_dir)
     fresh = load_model(EngineConfig(dtype="fp32"))  # transformers' own layers, nothing installed
     own_acc, own_scores = _evaluate(HFLM(pretrained=fresh.model, tokenizer=fresh.tokenizer,
