@@ -222,11 +222,12 @@ def _has_tool_traffic(messages: list[ChatMessage]) -> bool:
 
 
 def chat_grammar(req: ChatCompletionRequest, plan: ToolPlan | None,
-                 grammars: GrammarCompiler | None, fits: Callable[[Any], Any] | None = None
-                 ) -> CompiledGrammar | None:
+                 grammars: GrammarCompiler | None, fits: Callable[[Any], Any] | None = None,
+                 thinks: bool | None = None) -> CompiledGrammar | None:
     """The grammar the answer must follow: the tools' (calls, or a plain answer under `auto`),
     a `guided_*` extra, or the response_format's schema; None when the answer is free.
-    `fits` bounds a schema to the answer's token budget (adapters/schema_budget.py)."""
+    `fits` bounds a schema to the answer's token budget (adapters/schema_budget.py); with a
+    reasoning parser (`thinks` not None) the grammar starts after the think block."""
     schema = response_schema(req.response_format)
     guided = guided_grammar(req)
     fits = fits or (lambda s: s)
@@ -248,6 +249,9 @@ def chat_grammar(req: ChatCompletionRequest, plan: ToolPlan | None,
         grammar = Grammar.lark(tool_grammar(plan, schema)), plan.param
     elif schema is not None:
         grammar = Grammar.json_schema(fits(schema)), "response_format"
+    # A client grammar that writes the think block itself is taken as it is.
+    if grammar is not None and thinks is not None and "<think>" not in grammar[0].source:
+        grammar = Grammar.after_thinking(grammar[0], thinks), grammar[1]
     return compile_requested(grammars, grammar)
 
 
@@ -319,16 +323,16 @@ def build_chat_job(req: ChatCompletionRequest, tokenizer, max_model_len: int,
     # Only a limit the client or the operator set bounds a schema: one that follows from the
     # prompt's length would make a new grammar (a compilation) of every prompt length.
     limited = requested is not None or max_tokens_limit > 0
-    grammar = chat_grammar(req, plan, grammars, (lambda schema: within_budget(
-        schema, budget, lambda text: len(tokenizer.encode(text, add_special_tokens=False))))
-        if limited else None)
-    params = sampling_params(req, names, max_tokens=budget, logprobs=bool(req.logprobs),
-                             top_logprobs=req.top_logprobs or 0)
-    params.grammar = grammar
     # Whether the answer may open with thinking (None: no reasoning parser), and whether the
     # prompt already opened the think block.
     thinks = starts_inside(tokenizer.decode(prompt_ids[-16:])) \
         if reasoning_parser == "think" else None
+    grammar = chat_grammar(req, plan, grammars, (lambda schema: within_budget(
+        schema, budget, lambda text: len(tokenizer.encode(text, add_special_tokens=False))))
+        if limited else None, thinks)
+    params = sampling_params(req, names, max_tokens=budget, logprobs=bool(req.logprobs),
+                             top_logprobs=req.top_logprobs or 0)
+    params.grammar = grammar
     return JobSpec(prompt_ids, params, plan if plan is not None and plan.calls_allowed else None,
                    thinks)
 

@@ -93,6 +93,13 @@ class Grammar:
         return cls("lark", text)
 
     @classmethod
+    def after_thinking(cls, answer: Grammar, opened: bool) -> Grammar:
+        """`answer` after a reasoning model's think block, free text up to the first `</think>`:
+        the block optional, or already `opened` by the prompt (then it must close first)."""
+        return cls("thinking", json.dumps({"kind": answer.kind, "source": answer.source,
+                                           "opened": opened}))
+
+    @classmethod
     def lark_or_gbnf(cls, text: str) -> Grammar:
         """A client's grammar: Lark, or llama.cpp's GBNF (converted to Lark by llguidance)."""
         return cls("grammar", text)
@@ -112,9 +119,28 @@ class Grammar:
                 return LLMatcher.grammar_from_lark(self.source)
             if self.kind == "grammar":
                 return llguidance.grammar_from("grammar", self.source)
+            if self.kind == "thinking":
+                return self._after_thinking()
         except ValueError as exc:
             raise InvalidGrammar(str(exc)) from None
         raise ValueError(f"unknown grammar kind {self.kind!r}")
+
+    def _after_thinking(self) -> str:
+        """One grammar, so the mask stays exact across the block's end: an outer Lark grammar
+        whose think text is lazy up to (and with) the first `</think>`, then the answer's own
+        grammar by reference."""
+        spec = json.loads(self.source)
+        inner = Grammar(spec["kind"], spec["source"]).llguidance_text()
+        try:
+            grammars = json.loads(inner)["grammars"]
+        except (ValueError, KeyError, TypeError):
+            grammars = [{"lark_grammar": inner}]
+        block = "think SPACE" if spec["opened"] else '("<think>" think SPACE)?'
+        outer = (f"start: {block} @answer\n"
+                 'think[suffix="</think>"]: /(?s:.*)/\n'
+                 "SPACE: /[ \\t\\n]*/\n")
+        return json.dumps({"grammars": [{"lark_grammar": outer},
+                                        {**grammars[0], "name": "answer"}, *grammars[1:]]})
 
 
 class CompiledGrammar:

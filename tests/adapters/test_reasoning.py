@@ -131,3 +131,30 @@ def test_the_answer_carries_the_thinking_apart(tokenizer):
                          and d.content)
     assert all(not isinstance(d.reasoning_content, str) for d in streamed[first_content:])
     assert chunks.finish()[0].usage.completion_tokens_details.reasoning_tokens == 3
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_a_grammar_starts_after_the_think_block(tokenizer, opened):
+    """One grammar: free thinking up to the first </think>, then the answer's own grammar (a
+    schema, a regex, a choice, a Lark grammar); the block optional unless the prompt opened it."""
+    import llguidance.hf
+    from llguidance import LLMatcher
+
+    from engine.sample.grammar import Grammar
+
+    vocab = llguidance.hf.from_tokenizer(tokenizer)
+
+    def accepts(grammar: Grammar, text: str) -> bool:
+        m = LLMatcher(vocab, grammar.llguidance_text())
+        ok = m.consume_tokens(tokenizer.encode(text, add_special_tokens=False))
+        return bool(ok) and m.is_accepting()
+
+    for answer, text in [(Grammar.json_schema({"type": "object"}), '{"k": 1}'),
+                         (Grammar.regex("[A-Z][a-z]+\\."), "Paris."),
+                         (Grammar.choice(["yes", "no"]), "yes"),
+                         (Grammar.lark('start: "a" B\nB: /[0-9]+/'), "a12")]:
+        wrapped = Grammar.after_thinking(answer, opened)
+        head = "" if opened else "<think>"
+        assert accepts(wrapped, f"{head}Let me see.</think>\n\n{text}"), answer.kind
+        assert not accepts(wrapped, f"{head}a</think> b</think>{text}")  # one block only
+        assert accepts(wrapped, text) != opened  # without thinking: only where none is open

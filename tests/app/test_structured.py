@@ -334,3 +334,4 @@ def test_reasoning_is_split_from_the_answer_whole_and_streamed(thinking_server, 
     first = next(i for i, d in enumerate(deltas) if d.get("content"))
     assert not any("reasoning_content" in d for d in deltas[first:])
     assert stream.events[-1]["usage"]["completion_tokens_details"] == details
+
