@@ -372,11 +372,8 @@ class ChatAssembler:
         self.usage.add(delta)
         text = delta.text
         if self.splitters is not None:
-            splitter = self.splitters[delta.index]
-            thought, text = splitter.feed(text, len(delta.token_ids))
-            if delta.finish_reason is not None:
-                rest = splitter.finish()
-                thought, text = thought + rest[0], text + rest[1]
+            thought, text = self.splitters[delta.index].feed(
+                text, len(delta.token_ids), last=delta.finished)
             self.thought[delta.index].append(thought)
         self.texts[delta.index].append(text)
         if delta.logprobs:
@@ -445,11 +442,8 @@ class ChatChunker:
                     if delta.logprobs else None)
         text, calls, thought = delta.text, [], ""
         if self.splitters is not None:
-            splitter = self.splitters[delta.index]
-            thought, text = splitter.feed(text, len(delta.token_ids))
-            if finish is not None:
-                rest = splitter.finish()
-                thought, text = thought + rest[0], text + rest[1]
+            thought, text = self.splitters[delta.index].feed(text, len(delta.token_ids),
+                                                             last=delta.finished)
         if self.parsers is not None:
             parser = self.parsers[delta.index]
             first = parser.calls

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from adapters.errors import ApiError
-
 PARSERS = ("none", "think")
 # The names other servers give the same `<think>` format, accepted as aliases.
 ALIASES = {"qwen3": "think", "deepseek_r1": "think", "smollm3": "think", "granite": "think"}
@@ -30,14 +28,6 @@ def parser_name(configured: str | None, chat_template: str | None) -> str:
         raise ValueError(f"unknown reasoning parser {configured!r}: one of auto, "
                          f"{', '.join(PARSERS)}, {', '.join(ALIASES)}")
     return name
-
-
-def check_parser(name: str | None) -> None:
-    """400 naming the setting when `name` is no parser (for requests that name one)."""
-    try:
-        parser_name(name, None)
-    except ValueError as exc:
-        raise ApiError.bad_request(str(exc), param="reasoning_parser") from None
 
 
 def starts_inside(prompt_text: str) -> bool:
@@ -62,10 +52,15 @@ class ReasoningSplitter:
     def starting(cls, inside: bool) -> ReasoningSplitter:
         return cls(thinking=inside, opened=inside)
 
-    def feed(self, text: str, tokens: int = 0) -> tuple[str, str]:
+    def feed(self, text: str, tokens: int = 0, last: bool = False) -> tuple[str, str]:
         """(reasoning, content) of `text` added to what was held back; its `tokens` count as
-        reasoning where the block was open when they arrived, or they opened it."""
+        reasoning where the block was open when they arrived, or they opened it. The `last`
+        text of the output also releases what is still held back."""
         reasoning, content = self._split(text)
+        if last:
+            held, self.held = self.held, ""
+            reasoning, content = (reasoning + held, content) if self.thinking else \
+                (reasoning, content + held)
         if not self.opened:
             self.undecided_tokens += tokens
         elif self.thinking or reasoning or self.closing and not content:
@@ -109,22 +104,6 @@ class ReasoningSplitter:
             content.append(text)
             break
         return "".join(reasoning), "".join(content)
-
-    def finish(self) -> tuple[str, str]:
-        """What was held back, at the end of the output."""
-        held, self.held = self.held, ""
-        if self.thinking:
-            return held, ""
-        return "", held
-
-
-def split(text: str, inside: bool = False) -> tuple[str | None, str]:
-    """(reasoning, content) of a whole output; reasoning None when it did not think."""
-    s = ReasoningSplitter.starting(inside)
-    r1, c1 = s.feed(text)
-    r2, c2 = s.finish()
-    thought = inside or text.lstrip().startswith(OPEN)
-    return (r1 + r2 if thought else None), c1 + c2
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -23,6 +23,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from adapters.structured import SUBSCHEMA_LISTS, SUBSCHEMA_MAPS
+
 NUMBER_TOKENS = 12  # a number's digits: SmolLM2-like tokenizers write one token per digit
 # An integer without bounds gets these, so that its digits fit NUMBER_TOKENS (a number's decimals
 # cannot be bounded in a JSON schema: those stay open).
@@ -140,19 +142,15 @@ def _cost(schema: Any, defs: dict[str, Any], depth: int) -> _Cost:
     raise _Unbounded
 
 
-_SCHEMA_MAPS = ("properties", "$defs", "definitions")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
-
-
 def _bounded(schema: Any, length: int, defs: dict[str, Any]) -> Any:
     """Add the bounds in place, walking the schema's subschemas: `maxLength` to strings,
     `maxItems` to arrays, where missing."""
     if not isinstance(schema, dict):
         return schema
-    for key in _SCHEMA_MAPS:
+    for key in SUBSCHEMA_MAPS:
         for sub in (schema.get(key) or {}).values():
             _bounded(sub, length, defs)
-    for key in _SCHEMA_LISTS:
+    for key in SUBSCHEMA_LISTS:
         for sub in schema.get(key) or []:
             _bounded(sub, length, defs)
     _bounded(schema.get("items"), length, defs)

@@ -53,8 +53,9 @@ def response_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | 
     return closed(schema) if spec.get("strict") else schema
 
 
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+# The keywords whose values are subschemas: lists of them, and maps of names to them.
+SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 
 
 def check_depth(value: Any, param: str) -> None:
@@ -80,10 +81,10 @@ def closed(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    for key in _SUBSCHEMA_MAPS:
+    for key in SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {k: closed(v) for k, v in out[key].items()}
-    for key in (*_SUBSCHEMA_LISTS, "items", "additionalProperties", "not"):
+    for key in (*SUBSCHEMA_LISTS, "items", "additionalProperties", "not"):
         if key in out:
             out[key] = closed(out[key])
     if "properties" in out and "additionalProperties" not in out:

@@ -219,13 +219,11 @@ def _build(name: str, where: Path, isa: str) -> Native:
         fcntl.flock(held, fcntl.LOCK_EX)
         try:
             (where / "lock").unlink(missing_ok=True)
-            copies = []
             for source in (*SOURCES, *HEADERS):
                 copy, text = where / source.name, source.read_bytes()
                 if not copy.is_file() or copy.read_bytes() != text:
                     copy.write_bytes(text)
-                copies.append(str(copy))
-            copies = copies[:len(SOURCES)]
+            copies = [str(where / source.name) for source in SOURCES]
             cpp_extension.load(name, copies, extra_cflags=_flags(isa),
                                extra_ldflags=["-fopenmp"], build_directory=str(where),
                                is_python_module=False, verbose=False)

@@ -6,7 +6,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from adapters.reasoning import ReasoningSplitter, parser_name, split, starts_inside
+from adapters.reasoning import OPEN, ReasoningSplitter, parser_name, starts_inside
+
+
+def split(text: str, inside: bool = False) -> tuple[str | None, str]:
+    """(reasoning, content) of a whole output, fed at once; reasoning None where it did not
+    think."""
+    reasoning, content = ReasoningSplitter.starting(inside).feed(text, last=True)
+    return (reasoning if inside or text.lstrip().startswith(OPEN) else None), content
 
 
 @pytest.mark.parametrize(("text", "inside", "want"), [
@@ -25,13 +32,13 @@ def test_whole_outputs(text, inside, want):
 def _streamed(text: str, cuts: list[int], inside: bool) -> tuple[str, str]:
     s = ReasoningSplitter.starting(inside)
     reasoning, content, last = [], [], 0
-    for cut in sorted({min(c, len(text)) for c in cuts}) + [len(text)]:
-        r, c = s.feed(text[last:cut])
+    ends = sorted({min(c, len(text)) for c in cuts} - {len(text)}) + [len(text)]
+    for cut in ends:
+        r, c = s.feed(text[last:cut], last=cut == ends[-1])
         reasoning.append(r)
         content.append(c)
         last = cut
-    r, c = s.finish()
-    return "".join(reasoning) + r, "".join(content) + c
+    return "".join(reasoning), "".join(content)
 
 
 pieces = st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "think", ">", "a", " ", "\n",
