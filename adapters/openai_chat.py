@@ -3,6 +3,7 @@ engine deltas → a response or stream chunks."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from typing import Any
@@ -48,10 +49,11 @@ from adapters.tools import (
     ToolPlan,
     ToolStreamParser,
     call_block,
-    parse_answer,
+    native_call_id,
     tool_format,
     tool_grammar,
     tool_plan,
+    tool_syntax,
     with_tool_prompt,
 )
 from adapters.usage import UsageCounter
@@ -131,9 +133,9 @@ def _calls(m: ChatMessage, where: str) -> list[tuple[str, str, Any]]:
 def template_messages(messages: list[ChatMessage], tools: str = "generic"
                       ) -> list[dict[str, Any]]:
     """Messages as chat templates take them: text content, `developer` rendered as `system`,
-    and tool traffic as the tool format says (adapters/tools.py): `hermes` passes assistant
-    calls and `tool` messages to the template; `generic` writes calls as their blocks and tool
-    results as user messages."""
+    and tool traffic as the tool format says (adapters/tools.py): a native format passes
+    assistant calls and `tool` messages to the template; `generic` writes calls as their blocks
+    and tool results as user messages."""
     if not messages:
         raise ApiError.bad_request("messages must not be empty", param="messages")
     if len(messages) > MAX_MESSAGES:
@@ -147,9 +149,9 @@ def template_messages(messages: list[ChatMessage], tools: str = "generic"
                                        f"got {m.role!r}", param=f"{where}.role")
         if m.role in ("tool", "function"):
             content = _text(m, where)
-            if tools == "hermes":
-                out.append({"role": "tool", "content": content,
-                            "tool_call_id": m.tool_call_id or "", "name": m.name or ""})
+            if tools != "generic":
+                out.append({"role": "tool", "content": content, "name": m.name or "",
+                            "tool_call_id": native_call_id(m.tool_call_id or "", tools)})
                 continue
             block = f"<tool_response>\n{content}\n</tool_response>"
             if out and out[-1].get("tool_responses"):  # results of one turn's calls together
@@ -162,10 +164,10 @@ def template_messages(messages: list[ChatMessage], tools: str = "generic"
                                        f"{m.role!r}", param=f"{where}.tool_calls")
         calls = _calls(m, where) if m.role == "assistant" else []
         content = _text(m, where, required=not calls) or ""
-        if calls and tools == "hermes":
+        if calls and tools != "generic":
             out.append({"role": "assistant", "content": content, "tool_calls": [
-                {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
-                for cid, name, args in calls]})
+                {"id": native_call_id(cid, tools), "type": "function",
+                 "function": {"name": name, "arguments": args}} for cid, name, args in calls]})
             continue
         if calls:
             blocks = "\n".join(call_block(name, args) for _, name, args in calls)
@@ -265,8 +267,10 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer, max_model_len: int,
     fmt = tool_format(tokenizer) if plan or _has_tool_traffic(req.messages) else "generic"
     messages = template_messages(req.messages, fmt)
     template_tools = None
+    if plan is not None:
+        plan = dataclasses.replace(plan, syntax=tool_syntax(tokenizer, fmt))
     if plan is not None and plan.calls_allowed:
-        if fmt == "hermes":
+        if fmt != "generic":
             template_tools = [t.schema() for t in plan.tools]
         else:
             messages = with_tool_prompt(messages, plan)
@@ -333,6 +337,8 @@ def build_chat_job(req: ChatCompletionRequest, tokenizer, max_model_len: int,
     params = sampling_params(req, names, max_tokens=budget, logprobs=bool(req.logprobs),
                              top_logprobs=req.top_logprobs or 0)
     params.grammar = grammar
+    if plan is not None and plan.calls_allowed and plan.syntax.special:
+        params.skip_special_tokens = False  # the parser reads the calls' special opener
     return JobSpec(prompt_ids, params, plan if plan is not None and plan.calls_allowed else None,
                    thinks)
 
@@ -388,7 +394,7 @@ class ChatAssembler:
             message.reasoning_content = message.reasoning = "".join(self.thought[i])
         if self.tools is None:
             return message, finish
-        content, calls = parse_answer(text)
+        content, calls = self.tools.syntax.parse(text)
         message.content = content
         if calls and self.tools.legacy:
             message.function_call = FunctionCall(calls[0].name, calls[0].arguments)
@@ -420,7 +426,8 @@ class ChatChunker:
         self.include_usage = include_usage
         self.tools = tools
         self.splitters = splitters(n, thinks)
-        self.parsers = [ToolStreamParser() for _ in range(n)] if tools is not None else None
+        self.parsers = [ToolStreamParser(tools.syntax) for _ in range(n)] \
+            if tools is not None else None
         self.usage = UsageCounter()
 
     def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:

@@ -1,21 +1,16 @@
 """Tool calling for chat: the request's tools checked and normalised, the conversation rendered
 with them, the grammar that constrains the answer, and the answer parsed back into `tool_calls`.
 
-One output format serves every model, Hermes's: each call is a block
-
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
-
 Two ways to tell the model about the tools:
 
-- **native** (`hermes`): the chat template renders a `tools` argument and itself speaks this format
-  (Qwen2.5, Hermes 2/3 and the templates built on theirs; detected by rendering a probe tool and
-  finding `<tool_call>` in the template). Tools, assistant `tool_calls` and `tool` messages are
-  passed to the template as it expects them.
+- **native**: the chat template renders a `tools` argument and speaks one of the call syntaxes of
+  adapters/tool_syntax.py: `hermes` (Qwen2.5, Hermes 2/3), `llama3` (Llama 3.1 to 3.3) or
+  `mistral` (`[TOOL_CALLS]`, Mistral 7B v0.3 to Small 2501), detected by rendering a probe tool
+  and reading the template. Tools, assistant `tool_calls` and `tool` messages are passed to the
+  template as it expects them, and the model answers in its family's syntax.
 - **generic** (every other template, SmolLM2's included): a system message describes the tools and
-  the format; assistant calls are rendered as their blocks and tool results as user messages
-  wrapped in `<tool_response>`.
+  Hermes's block format; assistant calls are rendered as their blocks and tool results as user
+  messages wrapped in `<tool_response>`.
 
 Either way a grammar constrains the answer: `auto` to a plain answer (text that does not start
 with a call, or the `response_format`'s JSON) or one or more calls; `required` and a named tool
@@ -26,20 +21,21 @@ arguments satisfy its tool's parameter schema.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from adapters.errors import ApiError
 from adapters.limits import MAX_TOOLS
 from adapters.structured import check_depth, closed
+from adapters.tool_syntax import HERMES, LLAMA3, CallSyntax, ToolCall, mistral
+from adapters.tool_syntax import ToolStreamParser as ToolStreamParser  # the answer side
 from engine.sample.grammar import JSON_STYLE
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 _PROBE = "seqgate_probe_tool"
 
 
@@ -65,6 +61,7 @@ class ToolPlan:
     parallel: bool
     legacy: bool  # `functions` / `function_call`: answers carry message.function_call
     param: str  # the request field that carried the tools, for errors
+    syntax: CallSyntax = HERMES  # how the model writes calls (the template's family)
 
     @property
     def calls_allowed(self) -> bool:
@@ -185,11 +182,35 @@ def _renders_tools(tokenizer) -> bool:
 
 
 def tool_format(tokenizer) -> str:
-    """`hermes` when the chat template renders tools and speaks Hermes's call format, else
-    `generic` (see the module's docstring)."""
-    if CALL_OPEN in _template_source(tokenizer) and _renders_tools(tokenizer):
+    """The native call syntax the chat template renders tools for (`hermes`, `llama3`,
+    `mistral`), else `generic` (see the module's docstring)."""
+    source = _template_source(tokenizer)
+    if not _renders_tools(tokenizer):
+        return "generic"
+    if CALL_OPEN in source:
         return "hermes"
+    # Mistral's later templates write `[TOOL_CALLS]name[ARGS]{…}`, which is not built.
+    if "[TOOL_CALLS]" in source and "[ARGS]" not in source:
+        return "mistral"
+    if '"parameters": ' in source and '{"name": "' in source:
+        return "llama3"
     return "generic"
+
+
+def tool_syntax(tokenizer, fmt: str) -> CallSyntax:
+    """How a model with this tool format writes its calls (the generic format: Hermes's)."""
+    if fmt == "mistral":
+        return mistral(tokenizer)
+    return LLAMA3 if fmt == "llama3" else HERMES
+
+
+def native_call_id(call_id: str, fmt: str) -> str:
+    """A call id as the format's template takes it: Mistral's require 9 letters or digits, so
+    other ids are mapped to 9 hex digits of their hash (the same id maps the same way in the
+    call and in its result)."""
+    if fmt != "mistral" or re.fullmatch(r"[a-zA-Z0-9]{9}", call_id):
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
 
 
 def generic_system_prompt(plan: ToolPlan) -> str:
@@ -205,7 +226,7 @@ def generic_system_prompt(plan: ToolPlan) -> str:
 
 
 def call_block(name: str, arguments: Any) -> str:
-    return f'{CALL_OPEN}\n{json.dumps({"name": name, "arguments": arguments})}\n{CALL_CLOSE}'
+    return HERMES.block(name, arguments)
 
 
 def with_tool_prompt(messages: list[dict[str, Any]], plan: ToolPlan) -> list[dict[str, Any]]:
@@ -219,124 +240,28 @@ def with_tool_prompt(messages: list[dict[str, Any]], plan: ToolPlan) -> list[dic
 
 # -- the grammar ------------------------------------------------------------------------------
 
-def call_schema(tools: tuple[Tool, ...]) -> dict[str, Any]:
-    """The JSON of one call: a tool's name and arguments valid for that tool."""
-    options = [{"type": "object",
-                "properties": {"name": {"const": t.name}, "arguments": closed(t.parameters)},
-                "required": ["name", "arguments"], "additionalProperties": False}
-               for t in tools]
-    schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": JSON_STYLE}
-
-
 def tool_grammar(plan: ToolPlan, answer_schema: dict[str, Any] | None) -> str | None:
-    """A Lark grammar (llguidance's dialect) for the answer, or None when it is free.
-
-    `answer_schema` is the response_format's JSON schema, which a plain answer must then match.
-    """
+    """A Lark grammar (llguidance's dialect) for the answer in the plan's call syntax, or None
+    when it is free. `answer_schema` is the response_format's JSON schema, which a plain answer
+    must then match."""
     if not plan.calls_allowed:
         return None
-    call = json.dumps(call_schema(plan.forced()))
-    calls = "call (\"\\n\" call)*" if plan.parallel else "call"
-    rules = [f"calls: {calls}",
-             f'call: "{CALL_OPEN}\\n" %json {call} "\\n{CALL_CLOSE}"']
+    syntax = plan.syntax
+    call = json.dumps(syntax.call_schema([{"name": t.name, "parameters": closed(t.parameters)}
+                                          for t in plan.forced()]))
+    rules = syntax.call_rules(call, plan.parallel)
     if plan.choice == "auto":
         if answer_schema is not None:
             rules.insert(0, "start: calls | answer")
             rules.append(f"answer: %json {json.dumps({'x-guidance': JSON_STYLE, **answer_schema})}")
         else:
             rules.insert(0, "start: calls | TEXT")
-            # Any text that does not open with a call (leading blanks included).
-            rules.append(r"TEXT: /(?s:.+)/ & ~/(?s:\s*<tool_call>.*)/")
+            rules.append(syntax.text_rule())
     else:
         rules.insert(0, "start: calls")
     return "\n".join(rules)
 
 
-# -- the answer -------------------------------------------------------------------------------
-
-@dataclass
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # JSON text
-
-    def openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def parse_call(block: str) -> ToolCall | None:
-    """One call block's JSON, or None when it is not a call."""
-    try:
-        obj = json.loads(block)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # some models write the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    return ToolCall(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
-
-
-def parse_answer(text: str) -> tuple[str | None, list[ToolCall]]:
-    """A whole answer → (content, calls). Text before the first call is the content; an answer
-    with no parsable call is all content."""
-    start = text.find(CALL_OPEN)
-    if start < 0:
-        return text, []
-    calls = [c for m in _CALL_BLOCK.finditer(text, start) if (c := parse_call(m.group(1)))]
-    if not calls:
-        return text, []
-    content = text[:start].strip()
-    return content or None, calls
-
-
-class ToolStreamParser:
-    """Splits a streamed answer into content deltas and whole calls, as they complete.
-
-    Text that may still become a call opener is held back; once the answer is known to be text
-    it passes through unchanged.
-    """
-
-    def __init__(self) -> None:
-        self._buffer = ""
-        self._mode = "undecided"  # undecided | text | calls
-        self.calls = 0
-
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        self._buffer += text
-        if self._mode == "undecided":
-            head = self._buffer.lstrip()
-            if head.startswith(CALL_OPEN):
-                self._mode = "calls"
-            elif not head or CALL_OPEN.startswith(head):
-                return "", []
-            else:
-                self._mode = "text"
-        if self._mode == "text":
-            out, self._buffer = self._buffer, ""
-            return out, []
-        calls = []
-        while (m := _CALL_BLOCK.search(self._buffer)) is not None:
-            call = parse_call(m.group(1))
-            self._buffer = self._buffer[m.end():]
-            if call is not None:
-                calls.append(call)
-        self.calls += len(calls)
-        return "", calls
-
-    def finish(self) -> str:
-        """What is left when the answer ends: text that never became a call."""
-        out, self._buffer = self._buffer, ""
-        if self._mode == "calls" and not out.strip():
-            return ""
-        return out
+def parse_answer(text: str, syntax: CallSyntax = HERMES) -> tuple[str | None, list[ToolCall]]:
+    """A whole answer → (content, calls), in the syntax the model wrote them in."""
+    return syntax.parse(text)
