@@ -1,31 +1,28 @@
 """POST /v1/responses (OpenAI's Responses API) → the chat request that /v1/chat/completions
-builds, so tools, tool_choice, structured outputs, limits and the prefix cache work as they do
-for chat.
+builds, so tools, tool_choice, structured outputs, reasoning, limits and the prefix cache work
+as they do for chat.
 
-The input items become chat messages: `message` items keep their role (`developer` as chat
-renders it), `function_call` items become an assistant message's `tool_calls`, and
-`function_call_output` items `tool` messages. `instructions` lead as a system message and are
-not carried to the next turn (OpenAI's rule); the conversation a `previous_response_id` names
-is the stored history of chat messages, which this input extends. Errors raised by the chat
-path are renamed to this API's fields (`response_format` → `text.format`, `messages` →
+The input items become chat messages (adapters/responses_input.py). `instructions` lead as a
+system message and are not carried to the next turn (OpenAI's rule); the conversation a
+`previous_response_id` names is the stored history of chat messages, which this input extends.
+`reasoning.effort` reaches the chat template as chat's `reasoning_effort`. Errors raised by the
+chat path are renamed to this API's fields (`response_format` → `text.format`, `messages` →
 `input`), so a client reads the field it sent.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from adapters.errors import ApiError, ParamNames
-from adapters.limits import MAX_CONTENT_PARTS, MAX_MESSAGES
 from adapters.openai_chat import build_chat_job
 from adapters.openai_params import JobSpec
 from adapters.openai_types import ChatCompletionRequest, ChatMessage, SamplingFields, convert
+from adapters.responses_input import InputReader, as_object
 from adapters.responses_types import ResponsesRequest
 from engine.sample.grammar import GrammarCompiler
 
@@ -33,9 +30,7 @@ from engine.sample.grammar import GrammarCompiler
 RESPONSES_NAMES = ParamNames({"max_new_tokens": "max_output_tokens",
                               "min_new_tokens": "min_tokens", "prompt": "input"})
 
-ITEM_TYPES = ("message", "function_call", "function_call_output")
-ROLES = ("system", "developer", "user", "assistant")
-TEXT_PARTS = ("input_text", "output_text", "text")
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # OpenAI's
 MAX_METADATA = 16  # OpenAI's bounds on `metadata`: pairs, key and value lengths
 MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
 
@@ -49,10 +44,6 @@ _RENAMES = (
     # Chat's message indices count the instructions and history: the input is named whole.
     (re.compile(r"\bmessages(\[\d+\](\.\w+)*)?"), "input"),
 )
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def check_supported(req: ResponsesRequest) -> None:
@@ -71,6 +62,19 @@ def check_supported(req: ResponsesRequest) -> None:
     if req.n not in (None, 1):
         raise ApiError.unsupported("n", " (a response has one output)")
     _check_metadata(req.metadata)
+    reasoning_effort(req.reasoning)
+
+
+def reasoning_effort(reasoning: Any) -> str | None:
+    """`reasoning.effort`, None where not sent; `reasoning.summary` is accepted, and no summary
+    is written (the thinking itself is the reasoning item's content)."""
+    if reasoning is None:
+        return None
+    effort = as_object(reasoning, "reasoning").get("effort")
+    if effort is not None and effort not in EFFORTS:
+        raise ApiError.bad_request(f"reasoning.effort must be one of {', '.join(EFFORTS)}, "
+                                   f"got {effort!r}", param="reasoning.effort")
+    return effort
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:
@@ -86,138 +90,6 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
                                        f"{key[:80]!r})", param=f"metadata.{key[:80]}")
 
 
-# -- input items → chat messages --------------------------------------------------------------
-
-def _obj(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ApiError.bad_request(f"{where} must be an object", param=where)
-    return value
-
-
-def _string(item: dict[str, Any], key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str) or not value:
-        raise ApiError.bad_request(f"{where}.{key} must be a non-empty string",
-                                   param=f"{where}.{key}", code="missing_required_parameter"
-                                   if value is None else "invalid_value")
-    return value
-
-
-def _texts(content: Any, where: str) -> list[str]:
-    """A message's (or a tool output's) content as its texts; non-text parts are refused."""
-    if isinstance(content, str):
-        return [content]
-    if not isinstance(content, list):
-        raise ApiError.bad_request(f"{where} must be a string or a list of content parts",
-                                   param=where)
-    if len(content) > MAX_CONTENT_PARTS:
-        raise ApiError.bad_request(f"{where} takes at most {MAX_CONTENT_PARTS} parts, got "
-                                   f"{len(content)}", param=where)
-    texts = []
-    for j, part in enumerate(content):
-        at = f"{where}[{j}]"
-        kind = _obj(part, at).get("type")
-        if kind not in TEXT_PARTS:
-            raise ApiError.unsupported(f"{at}.type", f" (content part {kind!r}: text only)")
-        if not isinstance(part.get("text"), str):
-            raise ApiError.bad_request(f"{at}.text must be a string", param=f"{at}.text")
-        texts.append(part["text"])
-    return texts
-
-
-def _arguments(item: dict[str, Any], where: str) -> str:
-    args = item.get("arguments")
-    try:
-        parsed = json.loads(args) if isinstance(args, str) else None
-    except ValueError:
-        parsed = None
-    if not isinstance(parsed, dict):
-        raise ApiError.bad_request(f"{where}.arguments must be a JSON object in a string, got "
-                                   f"{str(args)[:80]!r}", param=f"{where}.arguments")
-    return args
-
-
-def _call_ids(messages: list[dict[str, Any]]) -> set[str]:
-    return {c["id"] for m in messages for c in m.get("tool_calls") or ()}
-
-
-class InputReader:
-    """Reads `input` into chat messages and the stored input items (with ids, as
-    GET /v1/responses/{id}/input_items lists them). `history` is the conversation this input
-    continues: a `function_call_output` must answer a call made there or earlier in the input."""
-
-    def __init__(self, history: list[dict[str, Any]]):
-        self.calls = _call_ids(history)
-        self.messages: list[dict[str, Any]] = []
-        self.items: list[dict[str, Any]] = []
-
-    def read(self, value: Any) -> None:
-        if value is None:
-            raise ApiError.bad_request("input is required", param="input",
-                                       code="missing_required_parameter")
-        if isinstance(value, str):
-            value = [{"type": "message", "role": "user", "content": value}]
-        if not value:
-            raise ApiError.bad_request("input must not be empty", param="input")
-        if len(value) > MAX_MESSAGES:
-            raise ApiError.bad_request(f"input takes at most {MAX_MESSAGES} items, got "
-                                       f"{len(value)}", param="input")
-        for i, item in enumerate(value):
-            where = f"input[{i}]"
-            item = _obj(item, where)
-            kind = item.get("type", "message" if "role" in item else None)
-            if kind not in ITEM_TYPES:
-                raise ApiError.bad_request(f"{where}.type must be one of "
-                                           f"{', '.join(ITEM_TYPES)}, got {kind!r}",
-                                           param=f"{where}.type")
-            getattr(self, f"_{kind}")(item, where)
-
-    def _message(self, item: dict[str, Any], where: str) -> None:
-        role = item.get("role")
-        if role not in ROLES:
-            raise ApiError.bad_request(f"{where}.role must be one of {', '.join(ROLES)}, got "
-                                       f"{role!r}", param=f"{where}.role")
-        if "content" not in item:
-            raise ApiError.bad_request(f"{where}.content is required", param=f"{where}.content",
-                                       code="missing_required_parameter")
-        texts = _texts(item["content"], f"{where}.content")
-        self.messages.append({"role": role, "content": "\n".join(texts)})
-        kind = "output_text" if role == "assistant" else "input_text"
-        parts = [{"type": kind, "text": t} | ({"annotations": [], "logprobs": []}
-                                              if role == "assistant" else {}) for t in texts]
-        self.items.append({"id": item.get("id") or new_id("msg"), "type": "message",
-                           "role": role, "status": "completed", "content": parts})
-
-    def _function_call(self, item: dict[str, Any], where: str) -> None:
-        call_id, name = _string(item, "call_id", where), _string(item, "name", where)
-        args = _arguments(item, where)
-        call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
-        last = self.messages[-1] if self.messages else None
-        if last is not None and last["role"] == "assistant":  # one turn's text and calls
-            last.setdefault("tool_calls", []).append(call)
-        else:
-            self.messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        self.calls.add(call_id)
-        self.items.append({"id": item.get("id") or new_id("fc"), "type": "function_call",
-                           "call_id": call_id, "name": name, "arguments": args,
-                           "status": "completed"})
-
-    def _function_call_output(self, item: dict[str, Any], where: str) -> None:
-        call_id = _string(item, "call_id", where)
-        if call_id not in self.calls:
-            raise ApiError.bad_request(f"{where}.call_id {call_id!r} matches no function_call "
-                                       "in the input or the previous response",
-                                       param=f"{where}.call_id")
-        if "output" not in item:
-            raise ApiError.bad_request(f"{where}.output is required", param=f"{where}.output",
-                                       code="missing_required_parameter")
-        output = "\n".join(_texts(item["output"], f"{where}.output"))
-        self.messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
-        self.items.append({"id": item.get("id") or new_id("fco"),
-                           "type": "function_call_output", "call_id": call_id,
-                           "output": output, "status": "completed"})
-
-
 # -- tools and formats → chat's fields --------------------------------------------------------
 
 def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
@@ -228,7 +100,7 @@ def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
         raise ApiError.bad_request("tools must be an array", param="tools")
     out = []
     for i, tool in enumerate(tools):
-        kind = _obj(tool, f"tools[{i}]").get("type")
+        kind = as_object(tool, f"tools[{i}]").get("type")
         if kind != "function":
             raise ApiError.unsupported(f"tools[{i}].type", f" (the built-in tool {kind!r}: "
                                        "only function tools are supported)")
@@ -252,7 +124,7 @@ def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = (text or {}).get("format")
     if fmt is None:
         return None
-    fmt = _obj(fmt, "text.format")
+    fmt = as_object(fmt, "text.format")
     if fmt.get("type") != "json_schema":
         return fmt
     spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
@@ -300,15 +172,17 @@ def chat_request(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatC
         tool_choice=chat_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls,
         response_format=chat_response_format(req.text),
+        reasoning_effort=reasoning_effort(req.reasoning),
     )
 
 
 def build_responses_job(req: ResponsesRequest, previous: list[dict[str, Any]] | None,
                         tokenizer, max_model_len: int, max_tokens_limit: int = 0,
-                        grammars: GrammarCompiler | None = None,
-                        schema_prompt: bool = True) -> ResponsesJob:
+                        grammars: GrammarCompiler | None = None, schema_prompt: bool = True,
+                        reasoning_parser: str = "none") -> ResponsesJob:
     """Translate a Responses request (continuing `previous`, the stored conversation of its
-    previous_response_id) into one engine job; raises ApiError before any submission."""
+    previous_response_id) into one engine job; raises ApiError before any submission. The
+    stored conversation holds answers without their thinking, as chat templates render them."""
     check_supported(req)
     history = list(previous or [])
     reader = InputReader(history)
@@ -317,5 +191,5 @@ def build_responses_job(req: ResponsesRequest, previous: list[dict[str, Any]] | 
     with responses_names():
         chat = chat_request(req, [*instructions, *history, *reader.messages])
         spec = build_chat_job(chat, tokenizer, max_model_len, max_tokens_limit, grammars,
-                              RESPONSES_NAMES, schema_prompt)
+                              RESPONSES_NAMES, schema_prompt, reasoning_parser)
     return ResponsesJob(spec, history + reader.messages, reader.items)

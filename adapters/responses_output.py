@@ -1,52 +1,35 @@
-"""The Responses API's answers, made from chat's: the `response` object from a chat completion,
-and the typed stream events from chat's stream chunks (the same tool-call parsing and finish
-reasons as /v1/chat/completions, so both APIs answer alike).
-
-Events follow OpenAI's order: response.created, response.in_progress; per output item
-output_item.added, then for a message content_part.added, output_text.delta..., output_text.done,
-content_part.done, or for a function call function_call_arguments.delta and .done; then
-output_item.done; last response.completed (response.incomplete when max_output_tokens cut it).
-Every event carries its sequence_number, counted from 0.
+"""The Responses API's answer, made from chat's: the `response` object from a chat completion
+(adapters/responses_events.py makes the stream's events from chat's stream chunks), with the
+same tool-call parsing, reasoning split and finish reasons as /v1/chat/completions, so both APIs
+answer alike. Where a reasoning parser split off the thinking, a `reasoning` item precedes the
+message.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from msgspec import UNSET
 
 from adapters.errors import ApiError
-from adapters.openai_responses import new_id
-from adapters.openai_types import (
-    ChatCompletionChunk,
-    ChatCompletionResponse,
-    ChatResponseMessage,
-    ToolCallDelta,
-    Usage,
-)
+from adapters.openai_types import ChatCompletionResponse, ChatResponseMessage, Usage
+from adapters.responses_input import new_id
 from adapters.responses_types import (
-    ArgumentsDeltaEvent,
-    ArgumentsDoneEvent,
-    ContentPartEvent,
-    ErrorEvent,
     FunctionCallItem,
     IncompleteDetails,
     InputTokensDetails,
-    LifecycleEvent,
     OutputItem,
-    OutputItemEvent,
     OutputMessage,
     OutputText,
     OutputTokensDetails,
+    ReasoningItem,
+    ReasoningText,
     ResponseErrorInfo,
     ResponseObject,
     ResponsesRequest,
-    ResponseStreamEvent,
     ResponseUsage,
-    TextDeltaEvent,
-    TextDoneEvent,
 )
 
 
@@ -55,10 +38,12 @@ def response_usage(usage: Usage, caching: bool) -> ResponseUsage:
     token it did not supply is written to it (engine/sched/caching.py caches every prompt)."""
     cached = usage.prompt_tokens_details.cached_tokens
     written = usage.prompt_tokens - cached if caching else 0
+    details = usage.completion_tokens_details  # unset without a reasoning parser
     return ResponseUsage(input_tokens=usage.prompt_tokens,
                          input_tokens_details=InputTokensDetails(cached, written),
                          output_tokens=usage.completion_tokens,
-                         output_tokens_details=OutputTokensDetails(),
+                         output_tokens_details=OutputTokensDetails(
+                             details.reasoning_tokens if details else 0),
                          total_tokens=usage.total_tokens)
 
 
@@ -87,6 +72,8 @@ class ResponseDraft:
                 "tools": _echo_tools(req.tools), "tool_choice": req.tool_choice or "auto",
                 "parallel_tool_calls": req.parallel_tool_calls is not False,
                 "text": {"format": fmt}, "metadata": dict(req.metadata or {}),
+                # No summary is written, whatever the request asked (OpenAI's null: none).
+                "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
                 "user": UNSET if req.user is None else req.user}
         return cls(new_id("resp"), int(time.time()), model, echo, caching)
 
@@ -120,12 +107,16 @@ def assistant_turn(text: str, calls: list[FunctionCallItem]) -> dict[str, Any]:
     return turn
 
 
-def _call_item(call_id: str, name: str, arguments: str) -> FunctionCallItem:
+def call_item(call_id: str, name: str, arguments: str) -> FunctionCallItem:
     return FunctionCallItem(id=new_id("fc"), call_id=call_id, name=name, arguments=arguments)
 
 
-def _message_item(text: str, status: str) -> OutputMessage:
+def message_item(text: str, status: str) -> OutputMessage:
     return OutputMessage(id=new_id("msg"), status=status, content=[OutputText(text)])
+
+
+def reasoning_item(text: str, status: str) -> ReasoningItem:
+    return ReasoningItem(id=new_id("rs"), content=[ReasoningText(text)], status=status)
 
 
 @dataclass
@@ -142,124 +133,14 @@ def from_chat(draft: ResponseDraft, completion: ChatCompletionResponse,
     reason as chat reports it (None when the job never finished)."""
     message: ChatResponseMessage = completion.choices[0].message
     status = status_of(finish, cancelled)
-    calls = [_call_item(c.id, c.function.name, c.function.arguments)
+    calls = [call_item(c.id, c.function.name, c.function.arguments)
              for c in message.tool_calls or ()]
-    text = message.content or ""
+    text, thought = message.content or "", message.reasoning_content or ""
     output: list[OutputItem] = []
+    if thought:  # complete once the answer after it began
+        output.append(reasoning_item(thought, "completed" if text or calls or
+                                     status == "completed" else "incomplete"))
     if text or not calls:
-        output.append(_message_item(text, "incomplete" if status != "completed" else status))
+        output.append(message_item(text, "incomplete" if status != "completed" else status))
     output += calls
     return Answer(draft.response(status, output, completion.usage), assistant_turn(text, calls))
-
-
-@dataclass
-class ResponseEvents:
-    """Turns chat's stream chunks into the Responses API's events, numbering them."""
-
-    draft: ResponseDraft
-    output: list[OutputItem] = field(default_factory=list)
-    seq: int = 0
-    message: OutputMessage | None = None  # the message item being streamed
-    texts: list[str] = field(default_factory=list)
-    finish: str | None = None
-    usage: Usage | None = None
-    answer: Answer | None = None  # once finished
-
-    def _n(self) -> int:
-        self.seq += 1
-        return self.seq - 1
-
-    def _lifecycle(self, kind: str, response: ResponseObject) -> LifecycleEvent:
-        return LifecycleEvent(type=f"response.{kind}", response=response,
-                              sequence_number=self._n())
-
-    def start(self) -> list[ResponseStreamEvent]:
-        snapshot = self.draft.response()
-        return [self._lifecycle("created", snapshot), self._lifecycle("in_progress", snapshot)]
-
-    def on_chunk(self, chunk: ChatCompletionChunk) -> list[ResponseStreamEvent]:
-        if chunk.usage:
-            self.usage = chunk.usage
-        events: list[ResponseStreamEvent] = []
-        for choice in chunk.choices:
-            if choice.delta.content:
-                events += self._text(choice.delta.content)
-            for call in choice.delta.tool_calls or ():
-                events += self._call(call)
-            if choice.finish_reason is not None:
-                self.finish = choice.finish_reason
-        return events
-
-    def _part(self, kind: str) -> ContentPartEvent:
-        return ContentPartEvent(type=f"response.content_part.{kind}", item_id=self.message.id,
-                                output_index=len(self.output) - 1, content_index=0,
-                                part=OutputText("".join(self.texts)), sequence_number=self._n())
-
-    def _open_message(self) -> list[ResponseStreamEvent]:
-        self.message = OutputMessage(id=new_id("msg"), status="in_progress", content=[])
-        self.output.append(self.message)
-        added = OutputItemEvent(type="response.output_item.added",
-                                output_index=len(self.output) - 1, item=self._copy(self.message),
-                                sequence_number=self._n())
-        return [added, self._part("added")]
-
-    @staticmethod
-    def _copy(item: OutputMessage) -> OutputMessage:
-        return OutputMessage(item.id, item.status, list(item.content))
-
-    def _text(self, delta: str) -> list[ResponseStreamEvent]:
-        events = self._open_message() if self.message is None else []
-        self.texts.append(delta)
-        events.append(TextDeltaEvent(item_id=self.message.id, output_index=len(self.output) - 1,
-                                     content_index=0, delta=delta, sequence_number=self._n()))
-        return events
-
-    def _close_message(self, status: str) -> list[ResponseStreamEvent]:
-        if self.message is None:
-            return []
-        text, index = "".join(self.texts), len(self.output) - 1
-        done = TextDoneEvent(item_id=self.message.id, output_index=index, content_index=0,
-                             text=text, sequence_number=self._n())
-        part = self._part("done")
-        self.message.content, self.message.status = [OutputText(text)], status
-        item = OutputItemEvent(type="response.output_item.done", output_index=index,
-                               item=self.message, sequence_number=self._n())
-        self.message = None
-        return [done, part, item]
-
-    def _call(self, call: ToolCallDelta) -> list[ResponseStreamEvent]:
-        events = self._close_message("completed")
-        item = _call_item(call.id, call.function.name, call.function.arguments)
-        self.output.append(item)
-        index = len(self.output) - 1
-        pending = FunctionCallItem(item.id, item.call_id, item.name, "", "in_progress")
-        events += [
-            OutputItemEvent(type="response.output_item.added", output_index=index, item=pending,
-                            sequence_number=self._n()),
-            ArgumentsDeltaEvent(item_id=item.id, output_index=index, delta=item.arguments,
-                                sequence_number=self._n()),
-            ArgumentsDoneEvent(item_id=item.id, output_index=index, name=item.name,
-                               arguments=item.arguments, sequence_number=self._n()),
-            OutputItemEvent(type="response.output_item.done", output_index=index, item=item,
-                            sequence_number=self._n())]
-        return events
-
-    def close(self, cancelled: bool = False) -> list[ResponseStreamEvent]:
-        """The events that end the stream: the open message closed (an empty one when the
-        answer had nothing to show), then response.completed or response.incomplete (a
-        cancelled response ends with response.failed, its status `cancelled`)."""
-        status = status_of(self.finish, cancelled)
-        events: list[ResponseStreamEvent] = []
-        if self.message is None and not self.output:
-            events += self._open_message()
-        text = "".join(self.texts)
-        events += self._close_message("completed" if status == "completed" else "incomplete")
-        calls = [i for i in self.output if isinstance(i, FunctionCallItem)]
-        self.answer = Answer(self.draft.response(status, self.output, self.usage),
-                             assistant_turn(text, calls))
-        kind = {"completed": "completed", "incomplete": "incomplete"}.get(status, "failed")
-        return [*events, self._lifecycle(kind, self.answer.response)]
-
-    def error(self, err: ApiError) -> list[ResponseStreamEvent]:
-        return [ErrorEvent(code=err.code, message=err.message, param=err.param,
-                           sequence_number=self._n())]

@@ -68,7 +68,21 @@ class FunctionCallItem(Struct, tag="function_call", tag_field="type"):
     status: str = "completed"
 
 
-OutputItem = OutputMessage | FunctionCallItem
+class ReasoningText(Struct, tag="reasoning_text", tag_field="type"):
+    text: str
+
+
+class ReasoningItem(Struct, kw_only=True, tag="reasoning", tag_field="type"):
+    """The thinking before the answer, where a reasoning parser split it off; no summary is
+    written, so `summary` stays empty."""
+
+    id: str
+    summary: list[Any] = []
+    content: list[ReasoningText]
+    status: str = "completed"  # in_progress | completed | incomplete
+
+
+OutputItem = OutputMessage | FunctionCallItem | ReasoningItem
 
 
 # -- the response object ----------------------------------------------------------------------
@@ -125,7 +139,7 @@ class ResponseObject(Struct, kw_only=True):
     completed_at: int | None = None
     background: bool = False
     truncation: str = "disabled"
-    reasoning: None = None
+    reasoning: dict[str, Any] | None = None  # {"effort", "summary"} as the request set them
     object: Literal["response"] = "response"
 
 
@@ -225,6 +239,29 @@ class ArgumentsDoneEvent(_ArgumentsEvent, kw_only=True):
         "response.function_call_arguments.done"
 
 
+class _ReasoningEvent(Struct, kw_only=True):
+    """What the reasoning_text events have in common: where the reasoning text is."""
+
+    item_id: str
+    output_index: int
+    content_index: int
+    sequence_number: int
+
+
+class ReasoningDeltaEvent(_ReasoningEvent, kw_only=True):
+    """response.reasoning_text.delta."""
+
+    delta: str
+    type: Literal["response.reasoning_text.delta"] = "response.reasoning_text.delta"
+
+
+class ReasoningDoneEvent(_ReasoningEvent, kw_only=True):
+    """response.reasoning_text.done: the item's whole thinking."""
+
+    text: str
+    type: Literal["response.reasoning_text.done"] = "response.reasoning_text.done"
+
+
 class ErrorEvent(Struct, kw_only=True):
     """`error`: a failure after the stream began (the headers are gone)."""
 
@@ -236,4 +273,5 @@ class ErrorEvent(Struct, kw_only=True):
 
 
 ResponseStreamEvent = (LifecycleEvent | OutputItemEvent | ContentPartEvent | TextDeltaEvent
-                       | TextDoneEvent | ArgumentsDeltaEvent | ArgumentsDoneEvent | ErrorEvent)
+                       | TextDoneEvent | ArgumentsDeltaEvent | ArgumentsDoneEvent
+                       | ReasoningDeltaEvent | ReasoningDoneEvent | ErrorEvent)

@@ -57,6 +57,12 @@ def decode(request: Request, body: bytes, type_: type[T], served: str) -> T:
     return req
 
 
+def reasoning_parser(gw: GatewayState, engine: EngineClient) -> str:
+    """The reasoning parser the server's setting means for this model's chat template."""
+    return parser_name(gw.settings.server.reasoning_parser,
+                       getattr(engine.tokenizer, "chat_template", None))
+
+
 class ChatCompletionsController(Controller):
     """POST /v1/chat/completions: chat template, tools and structured outputs, stream or
     JSON."""
@@ -76,9 +82,7 @@ class ChatCompletionsController(Controller):
             spec = build_chat_job(req, engine.tokenizer, engine.max_model_len,
                                   server.max_tokens_limit, engine.grammars,
                                   schema_prompt=server.schema_prompt,
-                                  reasoning_parser=parser_name(
-                                      server.reasoning_parser,
-                                      getattr(engine.tokenizer, "chat_template", None)))
+                                  reasoning_parser=reasoning_parser(gw, engine))
             return (req, spec), [spec]
 
         (req, spec), stream = await open_request(gw, request, self.path, CHAT_NAMES, prepare)

@@ -22,7 +22,8 @@ from adapters.errors import ApiError
 from adapters.openai_chat import ChatAssembler, ChatChunker
 from adapters.openai_params import JobSpec, ResponseMeta
 from adapters.openai_responses import RESPONSES_NAMES, ResponsesJob, build_responses_job
-from adapters.responses_output import Answer, ResponseDraft, ResponseEvents, from_chat
+from adapters.responses_events import ResponseEvents
+from adapters.responses_output import Answer, ResponseDraft, from_chat
 from adapters.responses_types import (
     DeletedResponse,
     LifecycleEvent,
@@ -32,14 +33,15 @@ from adapters.responses_types import (
 )
 from app.api_docs import documented
 from app.auth import presented_key, require_api_key
-from app.controllers.openai import decode, json_response
+from app.controllers.openai import decode, json_response, reasoning_parser
 from app.lifespan import Gateway, GatewayState
 from app.response_store import ResponseStore, StoredResponse, page_items
 from app.streaming import OPENAI_FRAMING, JobStream, SseFraming, collect, open_request, sse_response
 from engine import EngineClient
 
 _STREAM_NOTE = ("with stream=true: named events response.created, response.in_progress, "
-                "response.output_item.added, response.content_part.added, "
+                "response.output_item.added, response.reasoning_text.delta, "
+                "response.reasoning_text.done, response.content_part.added, "
                 "response.output_text.delta, response.output_text.done, "
                 "response.content_part.done, response.function_call_arguments.delta, "
                 "response.function_call_arguments.done, response.output_item.done, then "
@@ -122,7 +124,8 @@ class ResponsesController(Controller):
                         if req.previous_response_id else None)
             job = build_responses_job(req, previous, engine.tokenizer, engine.max_model_len,
                                       gw.settings.server.max_tokens_limit, engine.grammars,
-                                      gw.settings.server.schema_prompt)
+                                      gw.settings.server.schema_prompt,
+                                      reasoning_parser(gw, engine))
             caching = engine.stats().prefix_cache_capacity_bytes > 0
             return (req, job, caching), [job.spec]
 
@@ -133,11 +136,11 @@ class ResponsesController(Controller):
                                                               owner),
                           job.history, stored=req.store is not False)
         run.begin(stream)
-        meta = ResponseMeta.new("chatcmpl", gw.model_name, gw.system_fingerprint)
+        meta, spec = ResponseMeta.new("chatcmpl", gw.model_name, gw.system_fingerprint), job.spec
         if req.stream:
             return self._stream(gw, stream, run, ChatChunker(meta, 1, gw.token_text, True,
-                                                             job.spec.tools))
-        assembler = ChatAssembler(meta, 1, gw.token_text, False, job.spec.tools)
+                                                             spec.tools, spec.thinks))
+        assembler = ChatAssembler(meta, 1, gw.token_text, False, spec.tools, spec.thinks)
         try:
             await collect(stream, request, lambda _, d: assembler.add(d))
         except ApiError as err:

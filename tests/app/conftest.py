@@ -2,8 +2,9 @@
 (`smollm2`, loaded once per session by tests/conftest.py).
 
 `live_server` is the main one (session-wide). Others share its engine or at least its weights:
-`auth_server` (API keys) and `jsonlines_server` share the engine; `tiny_server` has its own
-engine with one batch slot and no queue, to reach 429 on demand.
+`auth_server` (API keys), `jsonlines_server` and `thinking_server` (a reasoning parser) share
+the engine; `tiny_server` has its own engine with one batch slot and no queue, to reach 429 on
+demand.
 """
 
 from __future__ import annotations
@@ -99,6 +100,19 @@ def gateway_engine(smollm2) -> Iterator[Engine]:
 @pytest.fixture(scope="session")
 def live_server(gateway_engine) -> Iterator[LiveServer]:
     srv = start_server(create_app(settings(), engine=gateway_engine))
+    yield srv
+    srv.stop()
+
+
+# A grammar that writes a think block before the answer, for a model that does not think.
+THINK_THEN_ANSWER = r"<think>[a-z ]{4,30}</think>\n\n[A-Z][a-z ]{4,30}\."
+
+
+@pytest.fixture(scope="session")
+def thinking_server(gateway_engine) -> Iterator[LiveServer]:
+    """A server that splits `<think>` blocks (--reasoning-parser think) over the shared engine;
+    a `guided_regex` of THINK_THEN_ANSWER forces its answers through a think block."""
+    srv = start_server(create_app(settings(reasoning_parser="think"), engine=gateway_engine))
     yield srv
     srv.stop()
 

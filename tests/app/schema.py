@@ -13,6 +13,25 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKER = REPO.parent / "shared" / "tools" / "openai_schema.py"
+# The schema each Responses stream event is checked against, by its type.
+EVENT_SCHEMAS = {
+    "response.created": "ResponseCreatedEvent",
+    "response.in_progress": "ResponseInProgressEvent",
+    "response.output_item.added": "ResponseOutputItemAddedEvent",
+    "response.content_part.added": "ResponseContentPartAddedEvent",
+    "response.output_text.delta": "ResponseTextDeltaEvent",
+    "response.output_text.done": "ResponseTextDoneEvent",
+    "response.reasoning_text.delta": "ResponseReasoningTextDeltaEvent",
+    "response.reasoning_text.done": "ResponseReasoningTextDoneEvent",
+    "response.content_part.done": "ResponseContentPartDoneEvent",
+    "response.function_call_arguments.delta": "ResponseFunctionCallArgumentsDeltaEvent",
+    "response.function_call_arguments.done": "ResponseFunctionCallArgumentsDoneEvent",
+    "response.output_item.done": "ResponseOutputItemDoneEvent",
+    "response.completed": "ResponseCompletedEvent",
+    "response.incomplete": "ResponseIncompleteEvent",
+    "response.failed": "ResponseFailedEvent",
+    "error": "ResponseErrorEvent",
+}
 
 
 def load_schema_errors() -> Callable[[str, object], list[str]]:

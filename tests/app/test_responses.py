@@ -18,29 +18,14 @@ from adapters.errors import ApiError
 from adapters.openai_chat import render_prompt
 from adapters.responses_types import ResponseObject
 from app.response_store import ResponseStore, StoredResponse, page_items
-from tests.app.conftest import API_KEYS
+from tests.app.conftest import API_KEYS, THINK_THEN_ANSWER
+from tests.app.schema import EVENT_SCHEMAS
 
 WEATHER = {"type": "function", "name": "get_weather",
            "description": "Get the current weather in a city",
            "parameters": {"type": "object", "properties": {
                "city": {"type": "string", "maxLength": 40}}, "required": ["city"]}}
 ASK = "What is the weather like in Paris today?"
-EVENT_SCHEMAS = {
-    "response.created": "ResponseCreatedEvent",
-    "response.in_progress": "ResponseInProgressEvent",
-    "response.output_item.added": "ResponseOutputItemAddedEvent",
-    "response.content_part.added": "ResponseContentPartAddedEvent",
-    "response.output_text.delta": "ResponseTextDeltaEvent",
-    "response.output_text.done": "ResponseTextDoneEvent",
-    "response.content_part.done": "ResponseContentPartDoneEvent",
-    "response.function_call_arguments.delta": "ResponseFunctionCallArgumentsDeltaEvent",
-    "response.function_call_arguments.done": "ResponseFunctionCallArgumentsDoneEvent",
-    "response.output_item.done": "ResponseOutputItemDoneEvent",
-    "response.completed": "ResponseCompletedEvent",
-    "response.incomplete": "ResponseIncompleteEvent",
-    "response.failed": "ResponseFailedEvent",
-    "error": "ResponseErrorEvent",
-}
 
 
 # -- the store, without a server --------------------------------------------------------------
@@ -203,6 +188,83 @@ def test_stream_events_in_order_and_the_sdk_reassembles_them(live_server, schema
         if kinds[-1] == "response.completed":
             assert stream.get_final_response().output_text == deltas
     assert streamed == deltas
+
+
+THINKING = {"input": "What is the capital of France?", "max_output_tokens": 40,
+            "temperature": 0, "reasoning": {"effort": "low"}}
+
+
+@live
+def test_thinking_is_a_reasoning_item_whole_and_streamed(thinking_server, schema_errors):
+    """Under a reasoning parser the think block (forced by a guided_regex) is a reasoning item
+    before the message, as chat splits it; the stream sends its text first."""
+    client = thinking_server.client()
+    forced = {"guided_regex": THINK_THEN_ANSWER}
+    raw = client.responses.with_raw_response.create(model="", **THINKING, extra_body=forced)
+    body = raw.http_response.json()
+    assert schema_errors("Response", body) == []
+    assert body["reasoning"] == {"effort": "low", "summary": None}
+    response = raw.parse()
+    thought, message = response.output
+    assert thought.type == "reasoning" and message.type == "message"
+    assert thought.status == "completed" and thought.summary == []
+    chat = client.chat.completions.create(
+        model="", messages=[{"role": "user", "content": THINKING["input"]}], max_tokens=40,
+        temperature=0, reasoning_effort="low", extra_body=forced)
+    assert thought.content[0].text == chat.choices[0].message.reasoning_content
+    assert response.output_text == chat.choices[0].message.content
+    assert "think>" not in response.output_text and response.output_text.endswith(".")
+    reasoning_tokens = response.usage.output_tokens_details.reasoning_tokens
+    assert reasoning_tokens == chat.usage.completion_tokens_details.reasoning_tokens
+    assert 0 < reasoning_tokens < response.usage.output_tokens == chat.usage.completion_tokens
+
+    with httpx.stream("POST", thinking_server.base_url + "/responses", timeout=120,
+                      json={**THINKING, **forced, "stream": True}) as streamed:
+        events = read_events(streamed)
+    check_events(events, schema_errors)
+    kinds = [e["type"] for e in events]
+    first_text = kinds.index("response.content_part.added")
+    assert kinds[2] == "response.output_item.added" and events[2]["item"]["type"] == "reasoning"
+    assert kinds[first_text - 3:first_text] == [
+        "response.reasoning_text.done", "response.output_item.done",
+        "response.output_item.added"]
+    said = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert said == thought.content[0].text
+    final = events[-1]["response"]
+    assert [i["type"] for i in final["output"]] == ["reasoning", "message"]
+    assert final["usage"]["output_tokens_details"] == {"reasoning_tokens": reasoning_tokens}
+    with client.responses.stream(model="", **THINKING, extra_body=forced) as stream:
+        sdk_final = stream.get_final_response()
+    assert [i.type for i in sdk_final.output] == ["reasoning", "message"]
+    assert sdk_final.output[0].content[0].text == thought.content[0].text
+    assert sdk_final.output_text == response.output_text
+
+
+@live
+def test_a_continued_conversation_leaves_the_thinking_out(thinking_server):
+    """Both ways of continuing (previous_response_id, or the output items sent back) run the
+    prompt of the conversation without its thinking; a bad effort is refused by name."""
+    client = thinking_server.client()
+    first = client.responses.create(model="", **THINKING,
+                                    extra_body={"guided_regex": THINK_THEN_ANSWER})
+    assert first.output[0].type == "reasoning"
+    follow = "And of Spain?"
+    by_id = client.responses.create(model="", input=follow, previous_response_id=first.id,
+                                    max_output_tokens=2, temperature=0)
+    sent_back = client.responses.create(
+        model="", max_output_tokens=2, temperature=0,
+        input=[{"role": "user", "content": THINKING["input"]},
+               *[item.model_dump(exclude_none=True) for item in first.output],
+               {"role": "user", "content": follow}])
+    prompt = render_prompt(thinking_server.engine.tokenizer, [
+        {"role": "user", "content": THINKING["input"]},
+        {"role": "assistant", "content": first.output_text}, {"role": "user", "content": follow}])
+    assert by_id.usage.input_tokens == sent_back.usage.input_tokens == len(prompt)
+    items = client.responses.input_items.list(sent_back.id, order="asc")
+    assert [i.type for i in items.data] == ["message", "reasoning", "message", "message"]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.create(model="", input="Hi", reasoning={"effort": "extreme"})
+    assert bad.value.body["param"] == "reasoning.effort"
 
 
 class City(BaseModel):

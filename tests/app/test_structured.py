@@ -13,6 +13,7 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
+from tests.app.conftest import THINK_THEN_ANSWER
 from tests.app.sse import read_stream
 
 pytestmark = pytest.mark.slow  # a live server with the real model
@@ -296,21 +297,6 @@ def test_langchain_streams_tool_calls(live_server):
 
 
 # -- reasoning output --------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def thinking_server(gateway_engine):
-    """The embedded model behind a server that splits `<think>` blocks (--reasoning-parser
-    think); its answers are forced through a think block by a guided_regex."""
-    from app.factory import create_app
-    from tests.app.conftest import settings, start_server
-
-    srv = start_server(create_app(settings(reasoning_parser="think"), engine=gateway_engine))
-    yield srv
-    srv.stop()
-
-
-THINK_THEN_ANSWER = r"<think>[a-z ]{4,30}</think>\n\n[A-Z][a-z ]{4,30}\."
-
 
 def test_reasoning_is_split_from_the_answer_whole_and_streamed(thinking_server, schema_errors):
     body = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
