@@ -211,6 +211,7 @@ def test_bad_requests_are_refused_before_the_model(embedding_server, service, wh
     error = resp.json()["error"]
     assert (error["code"], error["param"]) == (code, param)
     assert service.forwards == before  # nothing reached the model
+    assert post(embedding_server, {"input": "hi"}).status_code == 200  # and it still serves
 
 
 def test_full_dimensions_are_allowed_and_context_errors_read_as_overflow(embedding_server,

@@ -82,6 +82,11 @@ CASES = [
      "prompt"),
     ("completion overflow", "POST", "/v1/completions", {"prompt": "x", "max_tokens": 9000}, 400,
      "context_length_exceeded", "prompt"),
+    # Today's models and tools (issue 32's list): each refused by name.
+    ("echo on chat", "POST", CHAT, chat(echo=True, logprobs=True), 400, "unsupported_parameter",
+     "echo"),
+    ("prompt_logprobs over 20", "POST", "/v1/completions", {"prompt": "x", "prompt_logprobs": 21},
+     400, "invalid_value", "prompt_logprobs"),
     ("djl missing inputs", "POST", "/invocations", {"parameters": {}}, 400,
      "missing_required_parameter", "inputs"),
     ("djl bad parameter", "POST", "/invocations", {"inputs": "x", "parameters": {
@@ -117,7 +122,8 @@ CASES = [
         "stop_sequences": ["x" * 2000]}}, 400, "invalid_value", "parameters.stop"),
     ("body over the limit", "POST", CHAT, {"messages": HELLO, "user": "x" * MAX_REQUEST_BYTES},
      413, "request_too_large", None),
-    ("responses: unknown item type", "POST", RESPONSES, {"input": [{"type": "reasoning"}]}, 400,
+    ("responses: unknown item type", "POST", RESPONSES, {"input": [{"type": "computer_call"}]},
+     400,
      "invalid_value", "input[0].type"),
     ("responses: output of no call", "POST", RESPONSES, {"input": [
         {"type": "function_call_output", "call_id": "call_1", "output": "x"}]}, 400,
