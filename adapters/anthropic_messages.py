@@ -3,10 +3,12 @@ through the chat adapter (template, tools and their grammar, limits); and errors
 shape.
 
 The translation is block by block: `system` becomes the leading system message; text blocks become
-message text; an assistant's `tool_use` blocks become its `tool_calls`; a user's `tool_result`
-blocks become `tool` messages, each of which must answer a `tool_use` of the assistant message just
-before it. Tools map to function tools and `tool_choice` to chat's (`any` is `required`). Anything
-else is refused with a 400 naming the block, before anything is tokenized.
+message text; an assistant's `tool_use` blocks become its `tool_calls`, and its `thinking` and
+`redacted_thinking` blocks are left out (chat templates drop earlier turns' thinking); a user's
+`tool_result` blocks become `tool` messages, each of which must answer a `tool_use` of the
+assistant message just before it. Tools map to function tools, `tool_choice` to chat's (`any` is
+`required`) and `thinking` to the template's `enable_thinking`. Anything else is refused with a
+400 naming the block, before anything is tokenized.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from adapters.anthropic_thinking import template_thinking
 from adapters.anthropic_types import CountTokensRequest, ErrorDetail, ErrorResponse, MessagesRequest
 from adapters.errors import ApiError, ParamNames
 from adapters.limits import MAX_CONTENT_PARTS
@@ -26,7 +29,8 @@ from engine.sample.grammar import GrammarCompiler
 MESSAGES_NAMES = ParamNames({"max_new_tokens": "max_tokens", "prompt": "messages",
                              "stop": "stop_sequences"})
 
-_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+_BLOCKS = {"user": ("text", "tool_result"),
+           "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 # Error types by status, as Anthropic names them (529 overloaded is our 503).
@@ -119,6 +123,8 @@ def _assistant(content: str | list[Any], where: str) -> tuple[ChatMessage, set[s
     """An assistant turn as a chat message with `tool_calls`, and its tool_use ids."""
     texts, calls = [], []
     for at, block in _blocks(content, _BLOCKS["assistant"], f"{where}.content"):
+        if block["type"] in ("thinking", "redacted_thinking"):
+            continue
         if block["type"] == "text":
             texts.append(_text_of(block, at))
             continue
@@ -231,8 +237,10 @@ def response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | No
 def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     """The chat request a Messages (or count_tokens) request means."""
     choice, parallel = chat_tool_choice(req.tool_choice)
+    max_tokens = req.max_tokens if isinstance(req, MessagesRequest) else None
     chat = ChatCompletionRequest(messages=chat_messages(req), tools=chat_tools(req.tools),
-                                 tool_choice=choice, parallel_tool_calls=parallel)
+                                 tool_choice=choice, parallel_tool_calls=parallel,
+                                 chat_template_kwargs=template_thinking(req.thinking, max_tokens))
     if isinstance(req, MessagesRequest):
         chat.max_tokens, chat.stop = req.max_tokens, req.stop_sequences
         chat.temperature, chat.top_p, chat.top_k = req.temperature, req.top_p, req.top_k
@@ -255,7 +263,7 @@ def _anthropic_paths(err: ApiError) -> ApiError:
 
 def build_messages_job(req: MessagesRequest, tokenizer, max_model_len: int,
                        max_tokens_limit: int = 0, grammars: GrammarCompiler | None = None,
-                       schema_prompt: bool = True) -> JobSpec:
+                       schema_prompt: bool = True, reasoning_parser: str = "none") -> JobSpec:
     """One engine job for a Messages request; raises ApiError before any submission."""
     if req.max_tokens >= max_model_len:
         # The engine's check would blame the prompt (chat's max_tokens is optional; this one
@@ -266,7 +274,7 @@ def build_messages_job(req: MessagesRequest, tokenizer, max_model_len: int,
             param="max_tokens", code="context_length_exceeded")
     try:
         return build_chat_job(chat_request(req), tokenizer, max_model_len, max_tokens_limit,
-                              grammars, MESSAGES_NAMES, schema_prompt)
+                              grammars, MESSAGES_NAMES, schema_prompt, reasoning_parser)
     except ApiError as err:
         raise _anthropic_paths(err) from None
 

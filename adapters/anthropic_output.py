@@ -1,10 +1,13 @@
 """Engine deltas → Anthropic's answer: the Message of a non-streaming request, or the named stream
 events (message_start, content blocks opened, extended and stopped, message_delta, message_stop).
 
-Tool calls are parsed from the answer as chat parses them (adapters/tools.py) and become
-`tool_use` blocks; a stream sends each call whole, as one `input_json_delta`, once its block has
-closed. The engine says only that a sequence stopped, not on what: a stop sequence is recognised
-in the decoded output, where the engine, which stops at the first one to complete, left it.
+Under a reasoning parser the thinking is split off as chat splits it (adapters/reasoning.py) and
+leads as a `thinking` block; a stream sends it as `thinking_delta`s and its `signature_delta`
+before the block stops. Tool calls are parsed from the answer as chat parses them
+(adapters/tools.py) and become `tool_use` blocks; a stream sends each call whole, as one
+`input_json_delta`, once its block has closed. The engine says only that a sequence stopped, not
+on what: a stop sequence is recognised in the decoded output, where the engine, which stops at
+the first one to complete, left it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import json
 import uuid
 from collections.abc import Callable
 
+from adapters.anthropic_thinking import signature
 from adapters.anthropic_types import (
     ContentBlock,
     ContentBlockDelta,
@@ -25,11 +29,15 @@ from adapters.anthropic_types import (
     MessageStop,
     MessagesUsage,
     Ping,
+    SignatureDelta,
     StopDelta,
     TextBlock,
     TextDelta,
+    ThinkingBlock,
+    ThinkingDelta,
     ToolUseBlock,
 )
+from adapters.reasoning import ReasoningSplitter
 from adapters.tools import ToolCall, ToolPlan, ToolStreamParser, parse_answer
 from adapters.usage import UsageCounter
 from engine import JobDelta
@@ -67,19 +75,28 @@ def tool_use_block(call: ToolCall) -> ToolUseBlock:
 
 
 class _Answer:
-    """What both shapes of the answer track: usage, the generated ids, how it finished."""
+    """What both shapes of the answer track: usage, the generated ids, how it finished, and
+    the thinking split off (`thinks` None: no reasoning parser)."""
 
-    def __init__(self, stops: list[str], decode: Decode):
+    def __init__(self, stops: list[str], decode: Decode, thinks: bool | None):
         self.stops, self.decode = stops, decode
         self.usage = UsageCounter()
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
+        self.splitter = None if thinks is None else ReasoningSplitter.starting(thinks)
+        self.thought: list[str] = []
 
-    def track(self, delta: JobDelta) -> None:
+    def track(self, delta: JobDelta) -> tuple[str, str]:
+        """Count the delta; its (thinking, answer) text."""
         self.usage.add(delta)
         self.token_ids += delta.token_ids
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
+        if self.splitter is None:
+            return "", delta.text
+        thought, text = self.splitter.feed(delta.text, len(delta.token_ids), last=delta.finished)
+        self.thought.append(thought)
+        return thought, text
 
     def stop(self, calls: int) -> tuple[str, str | None]:
         return stop_reason(self.finish_reason, calls, self.stops,
@@ -97,37 +114,39 @@ class MessagesAssembler(_Answer):
     """Collects a job's deltas into the non-streaming Message."""
 
     def __init__(self, id: str, model: str, tools: ToolPlan | None, stops: list[str],
-                 decode: Decode):
-        super().__init__(stops, decode)
+                 decode: Decode, thinks: bool | None = None):
+        super().__init__(stops, decode, thinks)
         self.id, self.model, self.tools = id, model, tools
         self.texts: list[str] = []
 
     def add(self, delta: JobDelta) -> None:
-        self.track(delta)
-        self.texts.append(delta.text)
+        self.texts.append(self.track(delta)[1])
 
     def response(self) -> MessageResponse:
-        text, calls = "".join(self.texts), []
+        text, calls, thought = "".join(self.texts), [], "".join(self.thought)
         if self.tools is not None:
             content, calls = parse_answer(text)
             text = content or ""
-        blocks: list[ContentBlock] = [TextBlock(text)] if text else []
+        blocks: list[ContentBlock] = [ThinkingBlock(thought, signature(thought))] \
+            if thought else []
+        blocks += [TextBlock(text)] if text else []
         blocks += [tool_use_block(c) for c in calls]
         reason, sequence = self.stop(len(calls))
         return MessageResponse(self.id, self.model, blocks, reason, sequence, self.final_usage())
 
 
 class MessagesChunker(_Answer):
-    """Turns a job's deltas into stream events: a text block opens with the first text, a
-    tool_use block per call as it completes, and the stop with the final usage at the end."""
+    """Turns a job's deltas into stream events: a thinking block opens with the first thinking,
+    a text block with the first text, a tool_use block per call as it completes, and the stop
+    with the final usage at the end."""
 
     def __init__(self, id: str, model: str, prompt_tokens: int, tools: ToolPlan | None,
-                 stops: list[str], decode: Decode):
-        super().__init__(stops, decode)
+                 stops: list[str], decode: Decode, thinks: bool | None = None):
+        super().__init__(stops, decode, thinks)
         self.id, self.model, self.prompt_tokens = id, model, prompt_tokens
         self.parser = ToolStreamParser() if tools is not None else None
         self.blocks = 0  # blocks opened so far
-        self.text_open = False  # whether the last block is an open text block
+        self.open: str | None = None  # the type of the last block while it is open
         self.calls = 0
 
     def start(self) -> list[object]:
@@ -136,23 +155,27 @@ class MessagesChunker(_Answer):
         return [MessageStart(MessageResponse(self.id, self.model, [], None, None, usage)), Ping()]
 
     def on_delta(self, _: int, delta: JobDelta) -> list[object]:
-        self.track(delta)
-        text, calls = delta.text, []
+        thought, text = self.track(delta)
+        calls: list[ToolCall] = []
         if self.parser is not None:
-            text, calls = self.parser.feed(delta.text)
+            text, calls = self.parser.feed(text)
             if delta.finish_reason is not None:
                 text += self.parser.finish()
-        events = self._text(text) if text else []
+        events = self._extend("thinking", ThinkingDelta(thought)) if thought else []
+        events += self._extend("text", TextDelta(text)) if text else []
         for call in calls:
             events += self._call(call)
         return events
 
-    def _text(self, text: str) -> list[object]:
+    def _extend(self, kind: str, delta: ThinkingDelta | TextDelta) -> list[object]:
+        """`delta` added to the open block of its kind, opened first (the last one closed)."""
         events: list[object] = []
-        if not self.text_open:
-            events.append(ContentBlockStart(self.blocks, TextBlock("")))
-            self.blocks, self.text_open = self.blocks + 1, True
-        events.append(ContentBlockDelta(self.blocks - 1, TextDelta(text)))
+        if self.open != kind:
+            events += self._close()
+            empty = ThinkingBlock("", "") if kind == "thinking" else TextBlock("")
+            events.append(ContentBlockStart(self.blocks, empty))
+            self.blocks, self.open = self.blocks + 1, kind
+        events.append(ContentBlockDelta(self.blocks - 1, delta))
         return events
 
     def _call(self, call: ToolCall) -> list[object]:
@@ -164,10 +187,14 @@ class MessagesChunker(_Answer):
                 ContentBlockStop(index)]
 
     def _close(self) -> list[object]:
-        if not self.text_open:
+        if self.open is None:
             return []
-        self.text_open = False
-        return [ContentBlockStop(self.blocks - 1)]
+        events: list[object] = []
+        if self.open == "thinking":
+            events.append(ContentBlockDelta(self.blocks - 1,
+                                            SignatureDelta(signature("".join(self.thought)))))
+        self.open = None
+        return [*events, ContentBlockStop(self.blocks - 1)]
 
     def finish(self) -> list[object]:
         reason, sequence = self.stop(self.calls)

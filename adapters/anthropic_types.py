@@ -27,6 +27,9 @@ class CountTokensRequest(Struct, kw_only=True):
     system: str | list[Any] | None = None
     tools: list[Any] | None = None
     tool_choice: dict[str, Any] | None = None
+    # {"type": "enabled", "budget_tokens"} or {"type": "disabled"}: the template's
+    # enable_thinking (adapters/anthropic_thinking.py), which changes the prompt.
+    thinking: dict[str, Any] | None = None
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
@@ -45,6 +48,13 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
 # -- responses --------------------------------------------------------------------------------
 
 
+class ThinkingBlock(Struct, tag_field="type", tag="thinking"):
+    """A reasoning model's thinking, where a reasoning parser split it off the answer."""
+
+    thinking: str
+    signature: str
+
+
 class TextBlock(Struct, tag_field="type", tag="text"):
     text: str
 
@@ -55,7 +65,7 @@ class ToolUseBlock(Struct, tag_field="type", tag="tool_use"):
     input: dict[str, Any]
 
 
-ContentBlock = TextBlock | ToolUseBlock
+ContentBlock = ThinkingBlock | TextBlock | ToolUseBlock
 
 
 class MessagesUsage(Struct):
@@ -116,9 +126,19 @@ class InputJsonDelta(Struct, tag_field="type", tag="input_json_delta"):
     partial_json: str
 
 
+class ThinkingDelta(Struct, tag_field="type", tag="thinking_delta"):
+    thinking: str
+
+
+class SignatureDelta(Struct, tag_field="type", tag="signature_delta"):
+    """A thinking block's signature, sent just before the block stops."""
+
+    signature: str
+
+
 class ContentBlockDelta(Struct):
     index: int
-    delta: TextDelta | InputJsonDelta
+    delta: TextDelta | InputJsonDelta | ThinkingDelta | SignatureDelta
     type: Literal["content_block_delta"] = "content_block_delta"
 
 

@@ -34,7 +34,7 @@ from adapters.anthropic_types import (
 from adapters.openai_params import JobSpec
 from app.api_docs import documented
 from app.auth import require_api_key
-from app.controllers.openai import decode, json_response
+from app.controllers.openai import decode, json_response, reasoning_parser
 from app.exception_handlers import EXCEPTION_HANDLERS
 from app.lifespan import Gateway
 from app.streaming import SseFraming, collect, named_event, open_request, sse_response
@@ -65,7 +65,8 @@ ANTHROPIC_FRAMING = SseFraming(event=named_event,
                                ping=named_event(Ping()))
 
 _STREAM_NOTE = ("with stream=true: named events message_start, content_block_start, "
-                "content_block_delta, content_block_stop, message_delta, message_stop, ping, error")
+                "content_block_delta (text_delta, input_json_delta, thinking_delta, "
+                "signature_delta), content_block_stop, message_delta, message_stop, ping, error")
 
 
 class MessagesController(Controller):
@@ -87,7 +88,8 @@ class MessagesController(Controller):
             req = decode(request, body, MessagesRequest, gw.model_name)
             spec = build_messages_job(req, engine.tokenizer, engine.max_model_len,
                                       gw.settings.server.max_tokens_limit, engine.grammars,
-                                      gw.settings.server.schema_prompt)
+                                      gw.settings.server.schema_prompt,
+                                      reasoning_parser(gw, engine))
             return (req, spec, engine.tokenizer), [spec]
 
         (req, spec, tokenizer), stream = await open_request(gw, request, self.path,
@@ -99,10 +101,11 @@ class MessagesController(Controller):
         stops, ident = spec.params.stop, message_id()
         if req.stream:
             chunker = MessagesChunker(ident, gw.model_name, len(spec.prompt_ids), spec.tools,
-                                      stops, decode_ids)
+                                      stops, decode_ids, spec.thinks)
             return sse_response(stream, chunker.start(), chunker.on_delta, chunker.finish,
                                 gw.settings.server.sse_ping_seconds, ANTHROPIC_FRAMING)
-        assembler = MessagesAssembler(ident, gw.model_name, spec.tools, stops, decode_ids)
+        assembler = MessagesAssembler(ident, gw.model_name, spec.tools, stops, decode_ids,
+                                      spec.thinks)
         await collect(stream, request, lambda _, d: assembler.add(d))
         return json_response(assembler.response())
 

@@ -1,24 +1,34 @@
 """The Messages adapter without a server: blocks → chat messages, tools and tool_choice, the
-error shape, stop reasons, and the stream events built from engine deltas."""
+error shape, stop reasons, the stream events built from engine deltas, and a reasoning model's
+thinking as a thinking block (checked against the anthropic SDK's types)."""
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import json
 
+import anthropic
 import msgspec
+import pydantic
 import pytest
 
 from adapters.anthropic_messages import (
+    build_messages_job,
     chat_messages,
     chat_tool_choice,
     chat_tools,
+    count_tokens,
     error_body,
 )
 from adapters.anthropic_output import MessagesAssembler, MessagesChunker, matched_stop
-from adapters.anthropic_types import CountTokensRequest
+from adapters.anthropic_thinking import template_thinking
+from adapters.anthropic_types import CountTokensRequest, MessagesRequest
 from adapters.errors import ApiError
+from adapters.reasoning import parser_name
 from adapters.tools import ToolPlan, call_block, tool_plan
 from engine import JobDelta
+from tests.adapters.test_reasoning import DEEPSEEK_R1_LIKE, QWEN3_LIKE
 
 WEATHER = {"name": "get_weather", "input_schema": {"type": "object", "properties": {
     "city": {"type": "string"}}}}
@@ -156,3 +166,115 @@ def test_a_stop_sequence_is_found_in_the_decoded_output():
     cut = MessagesAssembler("msg_1", "m", None, [], lambda ids: "")
     cut.add(delta("Hi", [1], "length", done=1))
     assert cut.response().stop_reason == "max_tokens"
+
+
+# -- thinking ---------------------------------------------------------------------------------
+
+STREAM_EVENT = pydantic.TypeAdapter(anthropic.types.RawMessageStreamEvent)
+THOUGHT_BLOCKS = [{"type": "thinking", "thinking": "They want the weather.", "signature": "x"},
+                  {"type": "redacted_thinking", "data": "opaque"}]
+
+
+def test_thinking_blocks_sent_back_are_left_out():
+    turn = [{"type": "text", "text": "Let me look."},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}]
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1"}]}
+    plain = chat_messages(request([{"role": "user", "content": "Weather?"},
+                                   {"role": "assistant", "content": turn}, result]))
+    thought = chat_messages(request([{"role": "user", "content": "Weather?"},
+                                     {"role": "assistant", "content": [*THOUGHT_BLOCKS, *turn]},
+                                     result]))
+    assert thought == plain
+
+
+def test_the_thinking_parameter_is_the_templates_switch():
+    assert template_thinking(None, 2000) is None
+    assert template_thinking({"type": "disabled"}, 8) == {"enable_thinking": False}
+    assert template_thinking({"type": "enabled", "budget_tokens": 1024}, 2000) == {
+        "enable_thinking": True}
+    for thinking, param in [({"type": "adaptive"}, "thinking.type"),
+                            ({"type": "enabled"}, "thinking.budget_tokens"),
+                            ({"type": "enabled", "budget_tokens": 1000}, "thinking.budget_tokens"),
+                            ({"type": "enabled", "budget_tokens": 2000}, "thinking.budget_tokens"),
+                            ({"type": "enabled", "budget_tokens": True}, "thinking.budget_tokens")]:
+        with pytest.raises(ApiError) as info:
+            template_thinking(thinking, 2000)
+        assert info.value.param == param
+        assert param in error_body(400, info.value.message, info.value.param).error.message
+
+
+def templated(tokenizer, template: str):
+    tok = copy.copy(tokenizer)
+    tok.chat_template = template
+    return tok
+
+
+def test_the_template_and_the_thinking_parameter_decide_where_the_output_starts(tokenizer):
+    def job(template: str, **fields):
+        req = msgspec.convert({"messages": [{"role": "user", "content": "Hi"}],
+                               "max_tokens": 2000, **fields}, MessagesRequest)
+        tok = templated(tokenizer, template)
+        spec = build_messages_job(req, tok, 4096, reasoning_parser=parser_name(None, template))
+        assert count_tokens(req, tok, 4096) == len(spec.prompt_ids)
+        return spec, tokenizer.decode(spec.prompt_ids)
+
+    spec, prompt = job(QWEN3_LIKE, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert spec.thinks is False and prompt.endswith("assistant\n")
+    spec, prompt = job(QWEN3_LIKE, thinking={"type": "disabled"})
+    assert spec.thinks is False and prompt.endswith("<think>\n\n</think>\n\n")
+    assert job(DEEPSEEK_R1_LIKE)[0].thinks is True
+    assert job(tokenizer.chat_template)[0].thinks is None  # no parser
+
+
+def thinking_deltas(answer: str) -> list[JobDelta]:
+    pieces = ["<thi", "nk>Paris is", " the capital.</think>\n\n", answer[:5], answer[5:]]
+    return [delta(text, [k], "stop" if k == len(pieces) else None, done=k)
+            for k, text in enumerate(pieces, start=1)]
+
+
+def run(deltas: list[JobDelta], plan: ToolPlan | None = None):
+    assembler = MessagesAssembler("msg_1", "m", plan, [], lambda ids: "", thinks=False)
+    chunker = MessagesChunker("msg_1", "m", 10, plan, [], lambda ids: "", thinks=False)
+    events = [*chunker.start()]
+    for d in deltas:
+        assembler.add(d)
+        events += chunker.on_delta(0, d)
+    events += chunker.finish()
+    message = anthropic.types.Message.model_validate(msgspec.to_builtins(assembler.response()))
+    bodies = [msgspec.to_builtins(e) for e in events if e.type != "ping"]
+    return message, [STREAM_EVENT.validate_python(b) for b in bodies]
+
+
+def test_the_thinking_is_a_block_before_the_text_whole_and_streamed():
+    message, events = run(thinking_deltas("Paris."))
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    thinking, text = message.content
+    assert thinking.thinking == "Paris is the capital." and text.text == "Paris."
+    assert thinking.signature == hashlib.sha256(b"Paris is the capital.").hexdigest()
+    assert message.usage.output_tokens == 5
+    kinds = [(e.type, getattr(e, "index", None)) for e in events]
+    assert kinds[:2] == [("message_start", None), ("content_block_start", 0)]
+    assert events[1].content_block.model_dump() == {"type": "thinking", "thinking": "",
+                                                    "signature": ""}
+    deltas = [e.delta for e in events if e.type == "content_block_delta"]
+    assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == \
+        thinking.thinking
+    signed = [i for i, d in enumerate(deltas) if d.type == "signature_delta"]
+    assert len(signed) == 1 and deltas[signed[0]].signature == thinking.signature
+    assert all(d.type == "thinking_delta" for d in deltas[:signed[0]])
+    stop = kinds.index(("content_block_stop", 0))
+    assert events[stop - 1].delta.type == "signature_delta"
+    assert events[stop + 1].type == "content_block_start" and events[stop + 1].index == 1
+    assert "".join(d.text for d in deltas if d.type == "text_delta") == "Paris."
+    assert kinds[-3:] == [("content_block_stop", 1), ("message_delta", None),
+                          ("message_stop", None)]
+
+
+def test_thinking_before_a_tool_call():
+    plan = tool_plan(chat_tools([WEATHER]), "required", None, None, None)
+    message, events = run(thinking_deltas(call_block("get_weather", {"city": "Oslo"})), plan)
+    assert [b.type for b in message.content] == ["thinking", "tool_use"]
+    assert message.stop_reason == "tool_use" and message.content[1].input == {"city": "Oslo"}
+    starts = [e.content_block.type for e in events if e.type == "content_block_start"]
+    assert starts == ["thinking", "tool_use"]
+    assert [e.index for e in events if e.type == "content_block_stop"] == [0, 1]

@@ -1,8 +1,10 @@
 """Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens) against a live server with
-the real model: the `anthropic` SDK, langchain-anthropic's ChatAnthropic, raw events, errors."""
+the real model: the `anthropic` SDK, langchain-anthropic's ChatAnthropic, raw events, errors, and
+thinking blocks behind a thinking model's chat template."""
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Literal
 
@@ -14,7 +16,8 @@ from langchain_anthropic import ChatAnthropic
 
 from adapters.errors import ApiError
 from app.controllers.anthropic import ANTHROPIC_FRAMING
-from tests.app.conftest import API_KEYS
+from app.factory import create_app
+from tests.app.conftest import API_KEYS, settings, start_server
 
 pytestmark = pytest.mark.slow  # a live server with the real model
 
@@ -209,6 +212,14 @@ ERRORS = [
      "output_config.format"),
     ("system with an image block", body(system=[{"type": "image"}]), 400,
      "invalid_request_error", "system[0].type"),
+    ("thinking budget under Anthropic's least", body(max_tokens=2000, thinking={
+        "type": "enabled", "budget_tokens": 512}), 400, "invalid_request_error",
+     "thinking.budget_tokens"),
+    ("thinking budget not under max_tokens", body(thinking={
+        "type": "enabled", "budget_tokens": 1024}), 400, "invalid_request_error",
+     "thinking.budget_tokens"),
+    ("unknown thinking type", body(thinking={"type": "sometimes"}), 400,
+     "invalid_request_error", "thinking.type"),
 ]
 
 
@@ -267,3 +278,100 @@ def test_an_error_after_the_start_is_an_error_event():
         "type": "error", "error": {"type": "api_error", "message": "Generation failed: boom"}}
     assert ANTHROPIC_FRAMING.ping.encode() == b'event: ping\ndata: {"type":"ping"}\n\n'
     assert ANTHROPIC_FRAMING.end == ()  # no [DONE]: message_stop ends a stream
+
+
+# -- thinking ---------------------------------------------------------------------------------
+
+# A template in the style of Qwen3's and DeepSeek-R1's: the generation prompt opens a think block,
+# or with `enable_thinking: false` closes an empty one.
+THINKING_TEMPLATE = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}"
+    "{%- endif %}")
+THINK = {"type": "enabled", "budget_tokens": 1024}
+
+
+class TemplatedEngine:
+    """The shared engine behind a tokenizer with another chat template: the same model, given
+    the prompts a thinking model's template writes."""
+
+    def __init__(self, engine, template: str):
+        self.engine = engine
+        self.tokenizer = copy.copy(engine.tokenizer)
+        self.tokenizer.chat_template = template
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(gateway_engine):
+    """The reasoning parser comes from the template (`auto`), as it would for a thinking model.
+    The model does not think, so inside the block the template opened it writes only
+    thinking: its whole answer is the thinking block."""
+    srv = start_server(create_app(settings(), engine=TemplatedEngine(gateway_engine,
+                                                                     THINKING_TEMPLATE)))
+    yield srv
+    srv.stop()
+
+
+def test_thinking_is_a_block_before_the_text_whole_and_streamed(reasoning_server):
+    client = sdk(reasoning_server)
+    kw = {"model": "", "messages": HELLO, "max_tokens": 1100, "thinking": THINK}
+    raw = client.messages.with_raw_response.create(**kw)
+    message = anthropic.types.Message.model_validate(raw.http_response.json())
+    thinking = message.content[0]
+    assert thinking.type == "thinking" and thinking.thinking and thinking.signature
+    chat = reasoning_server.client().chat.completions.create(
+        model="", messages=HELLO, max_tokens=1100, temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    said = chat.choices[0].message
+    assert thinking.thinking == said.reasoning_content and "think>" not in thinking.thinking
+    assert [b.text for b in message.content[1:]] == ([said.content] if said.content else [])
+    assert message.usage.output_tokens == chat.usage.completion_tokens
+    if not said.content:  # all of it thinking
+        assert chat.usage.completion_tokens_details.reasoning_tokens == \
+            chat.usage.completion_tokens
+
+    with httpx.stream("POST", reasoning_server.url + MESSAGES, json={**kw, "stream": True},
+                      timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    events = [e for e in events if e["type"] != "ping"]
+    for event in events:
+        STREAM_EVENT.validate_python(event)
+    assert events[1] == {"type": "content_block_start", "index": 0, "content_block": {
+        "type": "thinking", "thinking": "", "signature": ""}}
+    stop = events.index({"type": "content_block_stop", "index": 0})
+    assert events[stop - 1]["delta"] == {"type": "signature_delta",
+                                         "signature": thinking.signature}
+    assert "".join(e["delta"]["thinking"] for e in events[2:stop - 1]) == thinking.thinking
+    with client.messages.stream(**kw) as stream:
+        kinds = {e.type for e in stream}
+        final = stream.get_final_message()
+    assert {"thinking", "signature"} <= kinds  # the SDK's events for the two deltas
+    assert final.content == message.content
+
+
+def test_thinking_disabled_and_thinking_sent_back(reasoning_server):
+    client = sdk(reasoning_server)
+    off = client.messages.create(model="", messages=HELLO, max_tokens=8,
+                                 thinking={"type": "disabled"})
+    assert [b.type for b in off.content] == ["text"] and off.content[0].text
+    chat = reasoning_server.client().chat.completions.create(
+        model="", messages=HELLO, max_tokens=8, temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.content[0].text == chat.choices[0].message.content
+    counted = {kind: client.messages.count_tokens(model="", messages=HELLO, thinking=thinking)
+               .input_tokens for kind, thinking in (("on", THINK), ("off", {"type": "disabled"}))}
+    assert counted["off"] > counted["on"]  # the closed block
+    assert counted["off"] == off.usage.input_tokens + off.usage.cache_read_input_tokens
+    reply = [{"type": "thinking", "thinking": "Colors, then.", "signature": "abc"},
+             {"type": "redacted_thinking", "data": "opaque"}, {"type": "text", "text": "Red."}]
+    turns = [*HELLO, {"role": "assistant", "content": reply},
+             {"role": "user", "content": "Two more?"}]
+    with_thinking = client.messages.count_tokens(model="", messages=turns)
+    turns[1] = {"role": "assistant", "content": "Red."}
+    assert with_thinking.input_tokens == client.messages.count_tokens(
+        model="", messages=turns).input_tokens
