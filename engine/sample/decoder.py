@@ -26,7 +26,7 @@ from engine.sample.sampling import (
     logprobs_for,
     sample_rows,
 )
-from engine.sample.speculative import Speculator, verify
+from engine.sample.speculative import Speculator, sampled_choices, verify
 from engine.sched.stops import at_length, token_stop
 from engine.staging import to_device
 
@@ -107,13 +107,21 @@ class TokenDecoder:
             self.choose(seqs, rows[0] if len(rows) == 1 else torch.cat(rows))
 
     def _verify(self, sb: SubBatch, result: GroupResult) -> None:
-        """A speculative sub-batch (engine.sample.speculative): each row's greedy choice after
-        each token it fed; the drafted tokens every row agreed with are kept, in the slab and
-        in the output, then each row's own next choice."""
+        """A speculative sub-batch (engine.sample.speculative): each row's choice after each
+        token it fed (greedy rows' argmax; sampled rows' by rejection sampling); the drafted
+        tokens every row agreed with are kept, in the slab and in the output, then each row's
+        own next choice."""
+        drafts, firsts = result.drafts, result.first_host
         chosen = result.logits.argmax(dim=-1).tolist()
-        drafts = result.drafts
-        outcome = verify(drafts, [chosen[f : f + 1 + len(d)]
-                                  for f, d in zip(result.first_host, drafts)])
+        choices = [chosen[f : f + 1 + len(d)] for f, d in zip(firsts, drafts)]
+        drawn = [i for i, s in enumerate(sb.seqs) if s.job.strategy == "sample"]
+        if drawn:
+            got = sampled_choices(result.logits, [firsts[i] for i in drawn],
+                                  [drafts[i] for i in drawn], [sb.seqs[i] for i in drawn],
+                                  self.generator)
+            for i, row in zip(drawn, got):
+                choices[i] = row
+        outcome = verify(drafts, choices)
         sb.commit([0] * sb.size)
         sb.keep_drafted(outcome.kept)
         if self.speculator is not None:

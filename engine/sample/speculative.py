@@ -6,6 +6,11 @@ draft that its own greedy choices agree with, plus the choice after it. The outp
 plain greedy decoding gives, token for token; a step yields up to 1 + k tokens per row for
 about the cost of one when the weights, not the arithmetic, bound it (one row on a CPU).
 
+Sampled rows verify by rejection sampling (Leviathan et al. 2023; Chen et al. 2023), which keeps
+their output distributed as plain sampling gives it (`sampled_choices`). Seeded rows do not
+draft: how many tokens a step keeps depends on the rows beside them, and so would the draws
+their seed is meant to fix.
+
 A sub-batch's rows share one slab window, so a sub-batch keeps the drafted tokens that all its
 rows accepted (`SpecOutcome.kept`): the rows stay right-aligned, with no columns to move. With
 few rows, the case speculation is for, little is lost; with more than `speculative_max_rows`
@@ -16,8 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from engine.config import EngineConfig
 from engine.request.job import Sequence
+from engine.sample.sampling import filter_logits
+from engine.staging import to_device
 
 # n-gram sizes matched, longest first: a longer match predicts better; 2 still finds copies.
 MIN_NGRAM, MAX_NGRAM = 2, 4
@@ -44,11 +53,13 @@ def propose(context: list[int], k: int) -> list[int]:
     return []
 
 
-def plain_greedy(s: Sequence) -> bool:
-    """Whether `s`'s next tokens are the argmax of its raw logits (what verification checks a
-    draft against): greedy, with nothing that changes its logits or wants their values."""
+def plain(s: Sequence) -> bool:
+    """Whether `s`'s next tokens come from its raw logits alone (what verification checks a
+    draft against): greedy, or sampled without a seed, with nothing that changes its logits
+    or wants their values."""
     p = s.params
-    return (s.job.strategy == "greedy" and s.matcher is None and not p.logit_bias
+    drawn = s.job.strategy == "sample" and s.generator is None
+    return ((s.job.strategy == "greedy" or drawn) and s.matcher is None and not p.logit_bias
             and not p.logprobs and len(s.generated) >= p.min_new_tokens
             and not p.presence_penalty and not p.frequency_penalty
             and p.repetition_penalty == 1.0 and s.candidates is None)
@@ -75,6 +86,52 @@ def verify(drafts: list[list[int]], choices: list[list[int]]) -> SpecOutcome:
     return SpecOutcome(kept, [d[:kept] + [c[kept]] for d, c in zip(drafts, choices)])
 
 
+def sampled_choices(logits: torch.Tensor, firsts: list[int], drafts: list[list[int]],
+                    seqs: list[Sequence], generator: torch.Generator) -> list[list[int]]:
+    """Each sampled row's verification: its draft's tokens it keeps, then one it draws.
+
+    A prompt-lookup draft is a point mass (q(d) = 1), so rejection sampling keeps the draft's
+    token d_j with probability p_j(d_j), the row's filtered distribution after the tokens
+    before it; at the first it refuses, the row draws from p_j without d_j (the residual
+    max(0, p - q), renormalised), and when it keeps them all, from the distribution after the
+    last. Every position's token is then distributed as p_j given those before it, so a row cut
+    to fewer kept tokens (its sub-batch's) is still distributed as plain sampling.
+    """
+    dev = logits.device
+    starts, rows, p = [], [], []  # each row's first position among `rows`; logits rows; params
+    for f, d, s in zip(firsts, drafts, seqs):
+        starts.append(len(rows))
+        rows += range(f, f + 1 + len(d))
+        p += [s.params] * (1 + len(d))
+    temperature, top_k, top_p, min_p = to_device(
+        [[max(x.temperature, 1e-5) for x in p], [x.top_k for x in p], [x.top_p for x in p],
+         [x.min_p for x in p]], dev, torch.float32)
+    probs = filter_logits(logits[to_device(rows, dev)], temperature, top_k.long(), top_p, min_p,
+                          any_min_p=any(x.min_p > 0 for x in p),
+                          ranked=[i for i, x in enumerate(p) if x.top_k > 0 or x.top_p < 1.0]
+                          ).softmax(dim=-1)
+    # Each draft token's probability where it was proposed, against one uniform draw each.
+    at = to_device([[a + j for a, d in zip(starts, drafts) for j in range(len(d))],
+                    [t for d in drafts for t in d]], dev)
+    kept = (torch.rand(at.shape[1], generator=generator, device=dev)
+            < probs[at[0], at[1]]).tolist()
+    ends, i = [], 0  # per row: the position it draws at (its first refusal, or after its draft)
+    for a, d in zip(starts, drafts):
+        ends.append(a + next((j for j, ok in enumerate(kept[i : i + len(d)]) if not ok), len(d)))
+        i += len(d)
+    residual = probs[to_device(ends, dev)]
+    refused = [(r, d[e - a]) for r, (a, e, d) in enumerate(zip(starts, ends, drafts))
+               if e - a < len(d)]
+    if refused:
+        gone = to_device(list(zip(*refused)), dev)
+        residual[gone[0], gone[1]] = 0.0
+    empty = residual.sum(dim=-1) <= 0  # a refused token held all the mass (rounding)
+    if bool(empty.any()):
+        residual[empty] = probs[to_device(ends, dev)][empty]
+    picks = torch.multinomial(residual, 1, generator=generator).squeeze(1).tolist()
+    return [d[: e - a] + [x] for a, e, d, x in zip(starts, ends, drafts, picks)]
+
+
 class Speculator:
     """Proposes drafts before each step, within what the rows may still generate, and counts
     what verification kept; drafting pauses where it does not pay."""
@@ -95,7 +152,7 @@ class Speculator:
             s.draft = self._propose(s) if active else []
 
     def _propose(self, s: Sequence) -> list[int]:
-        if not plain_greedy(s) or s.status.finished:
+        if not plain(s) or s.status.finished:
             return []
         # Within the job's reservation and the context: the pending token, the draft and the
         # choice after it must all fit.

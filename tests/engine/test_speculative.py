@@ -1,13 +1,21 @@
 """Speculative decoding by prompt lookup: drafts from n-grams of the row's own context, verified
-in the step's forward. Greedy output equals `generate` with it on; rows that are not plain
-greedy never draft; a stop inside a verified draft ends the output where it would have ended."""
+in the step's forward. Greedy output equals `generate` with it on; sampled rows keep their
+distribution (rejection sampling); rows that are not plain never draft; a stop inside a verified
+draft ends the output where it would have ended."""
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from engine import ConfigError, EngineConfig, SamplingParams
-from engine.sample.speculative import propose, verify
+from engine.model.loader import LoadedModel
+from engine.sample import speculative
+from engine.sample.sampling import filter_logits
+from engine.sample.speculative import propose, sampled_choices, verify
 from tests.engine.helpers import collect, reference_greedy
 
 # Answers that copy from the prompt: drafts are found and accepted.
@@ -114,3 +122,120 @@ def test_speculation_options_are_checked():
         EngineConfig(num_speculative_tokens=-1)
     with pytest.raises(ConfigError, match="speculative_max_rows"):
         EngineConfig(speculative_max_rows=-2)
+
+
+# -- sampled rows: rejection sampling ---------------------------------------------------------
+
+def chi_square_p(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """Pearson's test of `counts` against `expected_probs`, cells expecting under 5 draws pooled;
+    the p-value."""
+    n = counts.sum()
+    expected = expected_probs * n
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    df = torch.tensor(float(keep.sum() - 1))
+    return float(1 - torch.special.gammainc(df / 2, stat / 2))
+
+
+def test_rejection_sampling_keeps_each_position_distributed_as_plain_sampling():
+    """Synthetic distributions at three positions and a two-token draft, 60,000 rows in one
+    call: the first output token is distributed as p0, and where it was the draft's first token
+    the next is distributed as p1 (and where that too was kept, the next as p2)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 6, generator=g) * 1.5
+    draft = [int(logits[0].argmax()), int(logits[1].argsort()[-2])]  # a likely and a 2nd choice
+    rows = 60_000
+    seqs = [SimpleNamespace(params=SamplingParams(strategy="sample", temperature=0.8, top_k=5))
+            ] * rows
+    out = sampled_choices(logits.repeat(rows, 1), [3 * r for r in range(rows)], [draft] * rows,
+                          seqs, g)
+    params = seqs[0].params
+    filtered = filter_logits(logits, torch.full((3,), params.temperature),
+                             torch.full((3,), params.top_k), torch.ones(3), torch.zeros(3))
+    probs = filtered.softmax(-1)
+    first = torch.bincount(torch.tensor([o[0] for o in out]), minlength=6).float()
+    assert chi_square_p(first, probs[0]) > 1e-3
+    second = [o[1] for o in out if o[0] == draft[0]]
+    assert chi_square_p(torch.bincount(torch.tensor(second), minlength=6).float(), probs[1]) > 1e-3
+    third = [o[2] for o in out if o[:2] == draft]
+    assert len(third) > 1000
+    assert chi_square_p(torch.bincount(torch.tensor(third), minlength=6).float(), probs[2]) > 1e-3
+    assert probs[0].argsort()[0] not in first.nonzero()  # top-k: the least likely never drawn
+    # A draft token always refused shows the test can fail: keeping it biases the counts.
+    biased = [draft[0] if o[0] != draft[0] and r % 4 == 0 else o[0] for r, o in enumerate(out)]
+    assert chi_square_p(torch.bincount(torch.tensor(biased), minlength=6).float(),
+                        probs[0]) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def sixteen_tokens(smollm2):
+    """A one-layer random Llama over 16 tokens whose distributions are peaked enough that
+    drafts are both kept and refused."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    return LoadedModel(model, smollm2.tokenizer, "tiny16", "random", torch.device("cpu"),
+                       torch.float32, 0.0, False)
+
+
+@pytest.mark.slow
+def test_sampled_output_keeps_the_models_distribution_with_drafts(sixteen_tokens, make_engine,
+                                                                  monkeypatch):
+    """Every step of every row verifies a two-token draft (the model's own greedy
+    continuation, so that drafts are often kept, and rows of a sub-batch keep different
+    numbers); the joint distribution of the 2nd and 3rd tokens over 2,000 answers matches the
+    model's own, enumerated exactly."""
+    model, prompt = sixteen_tokens.model, [3, 7, 1, 12, 5, 9]
+    with torch.no_grad():
+        p1 = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        p2 = model(torch.tensor([prompt + [a] for a in range(16)])).logits[:, -1].softmax(-1)
+        p3 = model(torch.tensor([prompt + [a, b] for a in range(16) for b in range(16)])
+                   ).logits[:, -1].softmax(-1).view(16, 16, 16)
+    joint = torch.einsum("a,ab,abc->bc", p1, p2, p3)  # P(x2 = b, x3 = c)
+
+    @functools.lru_cache(maxsize=None)  # contexts repeat: a prompt and a few of 16 tokens
+    @torch.no_grad()
+    def greedy_draft(context: tuple[int, ...], k: int) -> list[int]:
+        out = list(context)
+        for _ in range(k):
+            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
+        return out[len(context):]
+
+    monkeypatch.setattr(speculative, "propose", lambda context, k: greedy_draft(tuple(context),
+                                                                                k))
+    monkeypatch.setattr(speculative, "LOW_ACCEPTANCE", 0.0)  # draft every step
+    eng = make_engine(sixteen_tokens, num_speculative_tokens=2, max_rolling_batch_size=4,
+                      speculative_max_rows=4, max_sparsity=1.0)
+    pairs = []
+    for _ in range(5):  # within the queue's bound
+        handles = [eng.submit(prompt, SamplingParams(strategy="sample", temperature=1.0,
+                                                     max_new_tokens=4, ignore_eos=True))
+                   for _ in range(400)]
+        eng.run_until_idle()
+        pairs += [collect(h)[0]["tokens"][1:3] for h in handles]
+    counts = torch.bincount(torch.tensor([16 * b + c for b, c in pairs]), minlength=256).float()
+    stats = eng.stats()
+    assert 0 < stats.spec_accepted_tokens < stats.spec_proposed_tokens  # kept and refused
+    assert chi_square_p(counts, joint.flatten()) > 1e-3
+
+
+def test_seeded_and_penalised_sampled_rows_do_not_draft(smollm2, make_engine):
+    ids = smollm2.tokenizer.encode(COPYING[0])
+    eng = make_engine(smollm2, num_speculative_tokens=4, max_sparsity=1.0)
+    for params in (SamplingParams(strategy="sample", seed=7, max_new_tokens=8),
+                   SamplingParams(strategy="sample", presence_penalty=0.5, max_new_tokens=8)):
+        eng.submit(ids, params)
+        eng.run_until_idle()
+    assert eng.stats().spec_proposed_tokens == 0
+    eng.submit(ids, SamplingParams(strategy="sample", temperature=0.2, max_new_tokens=8))
+    eng.run_until_idle()
+    assert eng.stats().spec_proposed_tokens > 0  # a plain sampled row does
