@@ -38,7 +38,8 @@ from adapters.anthropic_types import (
     ToolUseBlock,
 )
 from adapters.reasoning import ReasoningSplitter
-from adapters.tools import ToolCall, ToolPlan, ToolStreamParser, parse_answer
+from adapters.tool_syntax import ToolCall, ToolStreamParser
+from adapters.tools import ToolPlan
 from adapters.usage import UsageCounter
 from engine import JobDelta
 
@@ -125,7 +126,7 @@ class MessagesAssembler(_Answer):
     def response(self) -> MessageResponse:
         text, calls, thought = "".join(self.texts), [], "".join(self.thought)
         if self.tools is not None:
-            content, calls = parse_answer(text)
+            content, calls = self.tools.syntax.parse(text)
             text = content or ""
         blocks: list[ContentBlock] = [ThinkingBlock(thought, signature(thought))] \
             if thought else []
@@ -144,7 +145,7 @@ class MessagesChunker(_Answer):
                  stops: list[str], decode: Decode, thinks: bool | None = None):
         super().__init__(stops, decode, thinks)
         self.id, self.model, self.prompt_tokens = id, model, prompt_tokens
-        self.parser = ToolStreamParser() if tools is not None else None
+        self.parser = ToolStreamParser(tools.syntax) if tools is not None else None
         self.blocks = 0  # blocks opened so far
         self.open: str | None = None  # the type of the last block while it is open
         self.calls = 0

@@ -45,9 +45,9 @@ from adapters.structured import (
     response_schema,
 )
 from adapters.token_text import TokenText
+from adapters.tool_syntax import ToolStreamParser
 from adapters.tools import (
     ToolPlan,
-    ToolStreamParser,
     call_block,
     native_call_id,
     tool_format,

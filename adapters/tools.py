@@ -30,8 +30,7 @@ from typing import Any
 from adapters.errors import ApiError
 from adapters.limits import MAX_TOOLS
 from adapters.structured import check_depth, closed
-from adapters.tool_syntax import HERMES, LLAMA3, CallSyntax, ToolCall, mistral
-from adapters.tool_syntax import ToolStreamParser as ToolStreamParser  # the answer side
+from adapters.tool_syntax import HERMES, LLAMA3, CallSyntax, mistral
 from engine.sample.grammar import JSON_STYLE
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -261,7 +260,3 @@ def tool_grammar(plan: ToolPlan, answer_schema: dict[str, Any] | None) -> str | 
         rules.insert(0, "start: calls")
     return "\n".join(rules)
 
-
-def parse_answer(text: str, syntax: CallSyntax = HERMES) -> tuple[str | None, list[ToolCall]]:
-    """A whole answer → (content, calls), in the syntax the model wrote them in."""
-    return syntax.parse(text)

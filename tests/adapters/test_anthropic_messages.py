@@ -5,6 +5,7 @@ thinking as a thinking block (checked against the anthropic SDK's types)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 
@@ -26,6 +27,7 @@ from adapters.anthropic_thinking import template_thinking
 from adapters.anthropic_types import CountTokensRequest, MessagesRequest
 from adapters.errors import ApiError
 from adapters.reasoning import parser_name
+from adapters.tool_syntax import HERMES, LLAMA3, mistral
 from adapters.tools import ToolPlan, call_block, tool_plan
 from engine import JobDelta
 from tests.adapters.test_reasoning import DEEPSEEK_R1_LIKE, QWEN3_LIKE
@@ -129,9 +131,17 @@ def delta(text: str, ids: list[int], finish: str | None = None, done: int = 0) -
                     completion_tokens=done)
 
 
-def test_stream_events_and_message_agree_on_a_tool_call():
-    plan = tool_plan(chat_tools([WEATHER]), "required", None, None, None)
-    answer = call_block("get_weather", {"city": "Oslo"})
+OSLO = {"city": "Oslo"}
+ANSWERS = {"hermes": call_block("get_weather", OSLO),  # each family's syntax (tool_syntax.py)
+           "llama3": json.dumps({"name": "get_weather", "parameters": OSLO}),
+           "mistral": "[TOOL_CALLS] " + json.dumps([{"name": "get_weather", "arguments": OSLO}])}
+
+
+@pytest.mark.parametrize("syntax", [HERMES, LLAMA3, mistral()], ids=lambda s: s.name)
+def test_stream_events_and_message_agree_on_a_tool_call(syntax):
+    plan = dataclasses.replace(tool_plan(chat_tools([WEATHER]), "required", None, None, None),
+                               syntax=syntax)
+    answer = ANSWERS[syntax.name]
     deltas = [delta(answer[:12], [1], done=1), delta(answer[12:], [2], "stop", done=2)]
     chunker = MessagesChunker("msg_1", "m", 10, plan, [], lambda ids: "")
     events = [*chunker.start()]

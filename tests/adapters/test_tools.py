@@ -15,14 +15,9 @@ from adapters.errors import ApiError
 from adapters.openai_chat import build_chat_job, template_messages
 from adapters.openai_types import ChatCompletionRequest, ChatMessage
 from adapters.structured import closed
-from adapters.tools import (
-    ToolStreamParser,
-    call_block,
-    parse_answer,
-    tool_format,
-    tool_grammar,
-    tool_plan,
-)
+from adapters.tool_syntax import HERMES as HERMES_SYNTAX
+from adapters.tool_syntax import ToolStreamParser
+from adapters.tools import call_block, tool_format, tool_grammar, tool_plan
 from engine import Engine, EngineConfig
 from engine.sample.grammar import Grammar, GrammarCompiler
 
@@ -179,16 +174,16 @@ def test_call_grammars(compiler):
 
 # -- parsing ----------------------------------------------------------------------------------
 
-def test_parse_answer():
+def test_parse_hermes_answers():
     calls_text = call_block("a", {"x": 1}) + "\n" + call_block("b", {})
-    content, calls = parse_answer(calls_text)
+    content, calls = HERMES_SYNTAX.parse(calls_text)
     assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("a", {"x": 1}), ("b", {})]
     assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
-    assert parse_answer("plain text") == ("plain text", [])
-    assert parse_answer("<tool_call>\nnot json\n</tool_call>") == (
+    assert HERMES_SYNTAX.parse("plain text") == ("plain text", [])
+    assert HERMES_SYNTAX.parse("<tool_call>\nnot json\n</tool_call>") == (
         "<tool_call>\nnot json\n</tool_call>", [])
-    content, calls = parse_answer("Let me check.\n" + call_block("a", {}))
+    content, calls = HERMES_SYNTAX.parse("Let me check.\n" + call_block("a", {}))
     assert content == "Let me check." and calls[0].name == "a"
 
 
@@ -206,7 +201,7 @@ def test_stream_parser_splits_anywhere(answer, cuts):
         t, c = parser.feed(answer[a:b])
         text, calls = text + t, calls + c
     text += parser.finish()
-    content, expected = parse_answer(answer)
+    content, expected = HERMES_SYNTAX.parse(answer)
     assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in expected]
     assert text == ("" if expected else answer)
     assert content is None or expected or content == answer
