@@ -35,7 +35,7 @@ from adapters.openai_types import (
     Usage,
 )
 from adapters.prompt_size import encode_bounded
-from adapters.reasoning import ReasoningSplitter, starts_inside
+from adapters.reasoning import ReasoningSplitter, parser_name, starts_inside
 from adapters.schema_budget import within_budget
 from adapters.schema_prompt import carried, instruction
 from adapters.structured import (
@@ -314,8 +314,15 @@ def build_chat_job(req: ChatCompletionRequest, tokenizer, max_model_len: int,
     """Translate a chat request into one engine job; raises ApiError before any submission.
     `grammars` compiles structured outputs and tool grammars (here, on the request's thread);
     `names` is how the client's protocol names the parameters (/v1/messages builds chat
-    requests too); `schema_prompt`: the server's default for showing a schema (`chat_prompt`)."""
+    requests too); `schema_prompt`: the server's default for showing a schema (`chat_prompt`);
+    `reasoning_parser`: the server's, which the request's own `reasoning_parser` replaces."""
     check_supported(req)
+    if req.reasoning_parser is not None:
+        try:
+            reasoning_parser = parser_name(req.reasoning_parser,
+                                           getattr(tokenizer, "chat_template", None))
+        except ValueError as exc:
+            raise ApiError.bad_request(str(exc), param="reasoning_parser") from None
     prompt_ids, plan = chat_prompt(req, tokenizer, max_model_len, schema_prompt)
     # ChatOpenAI sends max_completion_tokens, older clients max_tokens; the newer name wins.
     if req.max_completion_tokens is not None:

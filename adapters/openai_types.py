@@ -107,6 +107,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     # Passed to the chat template (a reasoning model's `enable_thinking`, ...), as vLLM does.
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    # This request's reasoning parser (adapters/reasoning.py), over the server's.
+    reasoning_parser: str | None = None
     store: bool | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None

@@ -85,6 +85,8 @@ CASES = [
     # Today's models and tools (issue 32's list): each refused by name.
     ("echo on chat", "POST", CHAT, chat(echo=True, logprobs=True), 400, "unsupported_parameter",
      "echo"),
+    ("an unknown reasoning parser", "POST", CHAT, chat(reasoning_parser="magic"), 400,
+     "invalid_value", "reasoning_parser"),
     ("prompt_logprobs over 20", "POST", "/v1/completions", {"prompt": "x", "prompt_logprobs": 21},
      400, "invalid_value", "prompt_logprobs"),
     ("djl missing inputs", "POST", "/invocations", {"parameters": {}}, 400,

@@ -321,3 +321,17 @@ def test_reasoning_is_split_from_the_answer_whole_and_streamed(thinking_server, 
     assert not any("reasoning_content" in d for d in deltas[first:])
     assert stream.events[-1]["usage"]["completion_tokens_details"] == details
 
+
+def test_a_request_can_turn_the_parser_off(thinking_server, live_server):
+    """`reasoning_parser: "none"` leaves the think block in the content; "think" splits it on a
+    server whose own setting is off."""
+    body = {"messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 40, "temperature": 0, "guided_regex": THINK_THEN_ANSWER}
+    whole = httpx.post(thinking_server.url + "/v1/chat/completions", timeout=120,
+                       json={**body, "reasoning_parser": "none"}).json()["choices"][0]["message"]
+    assert whole["content"].startswith("<think>") and "reasoning" not in whole
+    split = httpx.post(live_server.url + "/v1/chat/completions", timeout=120,
+                       json={**body, "reasoning_parser": "think"}).json()["choices"][0]["message"]
+    assert split["reasoning"] and "</think>" in whole["content"]
+    assert split["content"] == whole["content"].split("</think>", 1)[1].lstrip()
+
