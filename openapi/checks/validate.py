@@ -144,6 +144,7 @@ EXTENSIONS = {
     "chat_template_kwargs",  # vLLM: variables for the chat template (enable_thinking, ...)
     "reasoning", "reasoning_content",  # vLLM: a reasoning model's thinking, apart from content
     "schema_prompt",  # seqgate's: show the model a constraining schema (adapters/schema_prompt.py)
+    "reasoning_parser",  # seqgate's: this request's reasoning parser (adapters/reasoning.py)
     "max_model_len",  # vLLM's model card
     # chat's sampling fields, which /v1/responses takes too (its request is chat's underneath)
     "n", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
