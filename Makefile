@@ -18,7 +18,8 @@ openapi-check:
 	$(PYTHON) -m openapi.checks.validate
 
 # Serving benchmark: seqgate vs transformers serve (with and without continuous batching), the
-# prompt-cache and splitting scenarios, greedy agreement; writes bench/results/serving.json and
+# prompt-cache and splitting scenarios, speculative decoding on and off against llama.cpp plain
+# and with its n-gram speculation (ShareGPT and input-grounded rewriting), greedy agreement; writes bench/results/serving.json and
 # docs/benchmarks.md (+ docs/benchmarks/*.png), after the scheduler scenarios (bench.stall: long
 # prompts arriving while streams decode; bench.multiturn: the radix prefix cache on three-turn
 # chats; bench.structured: JSON-schema requests against the same requests without a schema;

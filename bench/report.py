@@ -20,6 +20,7 @@ from pathlib import Path
 from bench import plots
 from bench.figures import geomean, mean_of, paired_ratios, pooled, ratio
 from bench.harness import DOCS_DIR, RESULTS_DIR, markdown_table
+from bench.report_speculative import speculative_section
 
 PEER_NOTES = """\
 - llama.cpp's server (the `xllamacpp` wheel, `bench/llamacpp_server.py`) serves the GGUF that
@@ -334,8 +335,10 @@ def render(data: dict, doc: Path) -> str:
                 f"{_first_last(f['error'])}" for f in data.get("failures", [])]
     if failures:
         failures = ["## Runs that failed", "", *failures, ""]
+    spec_lines = speculative_section(data.get("speculative") or [],
+                                     " ".join(m.get("isa") or []) or "unknown")
     return "\n".join(head + targets_section(ratios, speedup, split) + sweep_lines + cache_lines
-                     + split_lines + agreement_section(data["agreement"]) + failures
+                     + split_lines + spec_lines + agreement_section(data["agreement"]) + failures
                      + scheduler_section(doc) + ["## Notes on the peer", "", PEER_NOTES])
 
 

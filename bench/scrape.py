@@ -58,6 +58,8 @@ def engine_activity(before: Samples, after: Samples) -> dict:
         "prompt_cache_hits": delta(before, after, "seqgate_prompt_cache_hits_total"),
         "prompt_cache_cached_tokens": delta(before, after,
                                             "seqgate_prompt_cache_cached_tokens_total"),
+        "spec_proposed_tokens": delta(before, after, "seqgate_spec_proposed_tokens_total"),
+        "spec_accepted_tokens": delta(before, after, "seqgate_spec_accepted_tokens_total"),
         "sub_batches_per_step": histogram_delta(before, after, "seqgate_step_sub_batches"),
         "sparsity_per_step": histogram_delta(before, after, "seqgate_step_sparsity"),
         "kv_gauges": {k: v for k, v in after.items() if "kv" in k.lower()},

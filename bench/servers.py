@@ -94,6 +94,12 @@ TF_SERVE = ServerSpec("tf-serve", "transformers")
 TF_SERVE_CB = ServerSpec("tf-serve-cb", "transformers", ("--continuous-batching",))
 LLAMA_CPP = ServerSpec("llama.cpp", "llamacpp")
 SWEEP_SERVERS = {s.label: s for s in (SEQGATE, SEQGATE_INT4, TF_SERVE, TF_SERVE_CB, LLAMA_CPP)}
+# Speculative decoding on (seqgate's default) and off, against llama.cpp plain and with its own
+# n-gram speculation (bench.serving's `speculative` phase).
+SEQGATE_NO_SPEC = ServerSpec("seqgate-nospec", "seqgate", ("--num-speculative-tokens", "0"))
+LLAMA_CPP_LOOKUP = ServerSpec("llama.cpp-lookup", "llamacpp", ("--lookup",))
+SPECULATIVE_SERVERS = {s.label: s for s in (SEQGATE, SEQGATE_NO_SPEC, SEQGATE_INT4, LLAMA_CPP,
+                                            LLAMA_CPP_LOOKUP)}
 
 
 def _venv_script(name: str) -> str:

@@ -23,6 +23,12 @@ Phases:
   splitting  token-id prompts log-spaced over two orders of magnitude, exactly --split-new-tokens
              each, at --split-load: seqgate with max_splits 1, and 3 with max_sparsity 0.05,
              0.33 (the defaults), 1.0, interleaved; sub-batches per step from /metrics.
+  speculative  two workloads at each --spec-load pair: the sweep's ShareGPT chats, and
+             input-grounded rewriting (bench/workloads.py: "repeat this text, fixing any
+             spelling mistakes" over ShareGPT replies, whose answers copy their prompt);
+             --spec-servers in turn, `--repeats` times: seqgate with prompt-lookup drafts (its
+             default) and without, llama.cpp plain and with its own n-gram speculation;
+             acceptance and tokens per step from /metrics.
 Raw results go to bench/results/serving.json (rewritten after every run), the report to
 docs/benchmarks.md with PNG plots in docs/benchmarks/ (bench/report.py, bench/plots.py);
 --quick writes bench/results/serving-quick.json and bench/results/quick/benchmarks.md instead.
@@ -49,6 +55,7 @@ from bench.report import write_report
 from bench.scrape import engine_activity, scrape
 from bench.servers import (
     SEQGATE,
+    SPECULATIVE_SERVERS,
     SWEEP_SERVERS,
     CpuAccount,
     RssSampler,
@@ -63,6 +70,7 @@ from bench.workloads import (
     SYSTEM_PROMPT,
     agreement_bodies,
     for_server,
+    grounded_bodies,
     prompt_cache_bodies,
     splitting_bodies,
     splitting_prompts,
@@ -70,10 +78,10 @@ from bench.workloads import (
 )
 
 RESULTS, DOCS = RESULTS_DIR, DOCS_DIR
-PHASES = ("sweep", "agreement", "cache", "splitting")
+PHASES = ("sweep", "agreement", "cache", "splitting", "speculative")
 QUICK = {"sweep": "2:4", "repeats": 1, "max_tokens": 16, "agreement_prompts": 4,
          "cache_load": "2:4", "split_load": "4:8", "split_lengths": "10:300",
-         "split_new_tokens": 8, "split_configs": "1:0.33,3:0.33"}
+         "split_new_tokens": 8, "split_configs": "1:0.33,3:0.33", "spec_load": "1:2"}
 
 
 def load_pairs(text: str) -> list[tuple[int, int]]:
@@ -113,6 +121,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--split-new-tokens", type=int, default=32)
     ap.add_argument("--split-configs", default="1:0.33,3:0.05,3:0.33,3:1.0",
                     help="max_splits:max_sparsity,... (max_sparsity is moot with max_splits 1)")
+    ap.add_argument("--spec-load", default="1:12,4:24", help="concurrency:requests,... of the "
+                    "speculative phase")
+    ap.add_argument("--spec-servers", default="seqgate,seqgate-nospec,llama.cpp,llama.cpp-lookup",
+                    help="speculative-phase servers: " + ",".join(SPECULATIVE_SERVERS))
     ap.add_argument("--seqgate-arg", action="append", default=[],
                     help="extra flag for every seqgate server (repeatable, e.g. "
                          "--seqgate-arg=--num-threads=1)")
@@ -160,7 +172,8 @@ class Bench:
         self.data = {"meta": {**meta, "model_dir": str(self.model_dir),
                               "weights_dtype": self.weights_dtype,
                               "args": provenance.jsonable(shown), "phase_seconds": {}},
-                     "sweep": [], "agreement": {}, "cache": [], "splitting": [], "failures": []}
+                     "sweep": [], "agreement": {}, "cache": [], "splitting": [],
+                     "speculative": [], "failures": []}
         self.logs = RESULTS / "logs"
         # An older commit's seqgate run beside this one in the sweep (`--checkout`).
         self.checkout = None if args.checkout is None else dataclasses.replace(
@@ -260,6 +273,22 @@ class Bench:
                         continue
                     self.record("sweep", spec.for_concurrency(conc), CHAT_PATH,
                                 sweep_bodies(reqs[:n]), conc, repeat=rep)
+
+    def run_speculative(self) -> None:
+        levels = load_pairs(self.args.spec_load)
+        most = max(n for _, n in levels)
+        workloads = {"sharegpt": sweep_bodies(self.requests(most)),
+                     "grounded": grounded_bodies(self.tokenizer, most, self.args.seed,
+                                                 self.args.max_tokens)}
+        specs = [self.spec(SPECULATIVE_SERVERS[name])
+                 for name in self.args.spec_servers.split(",")]
+        for name, bodies in workloads.items():
+            for conc, n in levels:
+                print(f"[speculative] {name}, concurrency {conc}, {n} requests", flush=True)
+                for rep in range(self.args.repeats):
+                    for spec in specs:
+                        self.record("speculative", spec.for_concurrency(conc), CHAT_PATH,
+                                    bodies[:n], conc, repeat=rep, workload=name)
 
     def run_agreement(self) -> None:
         reqs = self.requests(self.args.agreement_prompts)

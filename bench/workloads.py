@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from bench.sharegpt import Request, text_token_ids
+from bench.sharegpt import Request, shuffled_exchanges, text_token_ids
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -124,3 +124,29 @@ def splitting_bodies(prompts: Sequence[list[int]], new_tokens: int) -> list[dict
 def for_server(bodies: Sequence[dict], model: str | None) -> list[dict]:
     """Copies of `bodies` naming `model` (left out where None: both servers then use theirs)."""
     return [dict(b, model=model) if model else dict(b) for b in bodies]
+
+
+# Input-grounded requests (speculative decoding's benchmark): the answer copies its input.
+GROUNDED = "Repeat the following text, fixing any spelling mistakes:\n\n{text}"
+
+
+def grounded_messages(tokenizer, count: int, seed: int, max_tokens: int
+                      ) -> list[tuple[list[dict], int]]:
+    """(messages, budget) of `count` rewriting requests over ShareGPT replies of 40-400 tokens,
+    each budget the reply's length capped at `max_tokens`."""
+    out = []
+    for _, reply in shuffled_exchanges(seed):
+        n = len(tokenizer.encode(reply, add_special_tokens=False))
+        if 40 <= n <= 400:
+            out.append(([{"role": "user", "content": GROUNDED.format(text=reply)}],
+                        min(n, max_tokens)))
+            if len(out) == count:
+                return out
+    raise ValueError(f"only {len(out)} ShareGPT replies of 40-400 tokens")
+
+
+def grounded_bodies(tokenizer, count: int, seed: int, max_tokens: int) -> list[dict]:
+    """Streamed greedy chats of `grounded_messages`."""
+    return [{"messages": messages, "max_tokens": budget, "temperature": 0, "stream": True,
+             "stream_options": {"include_usage": True}}
+            for messages, budget in grounded_messages(tokenizer, count, seed, max_tokens)]

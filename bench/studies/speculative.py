@@ -19,27 +19,18 @@ import time
 
 from bench.harness import markdown_table
 from bench.provenance import cpu_isa
-from bench.sharegpt import load_requests, shuffled_exchanges
+from bench.sharegpt import load_requests
 from bench.studies.common import base_parser, env_info, load, make_engine, warm_up, write_json
+from bench.workloads import grounded_messages
 from engine import SamplingParams
-
-GROUNDED = "Repeat the following text, fixing any spelling mistakes:\n\n{text}"
 
 
 def grounded_requests(tokenizer, count: int, seed: int, max_tokens: int) -> list[tuple]:
-    """(prompt ids, budget) of rewriting requests over ShareGPT replies of 40-400 tokens."""
-    out = []
-    for _, reply in shuffled_exchanges(seed):
-        n = len(tokenizer.encode(reply, add_special_tokens=False))
-        if not 40 <= n <= 400:
-            continue
-        messages = [{"role": "user", "content": GROUNDED.format(text=reply)}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        out.append((ids, min(n, max_tokens)))
-        if len(out) == count:
-            return out
-    raise ValueError(f"only {len(out)} ShareGPT replies of 40-400 tokens")
+    """(prompt ids, budget) of bench.workloads' rewriting requests."""
+    return [(tokenizer.encode(tokenizer.apply_chat_template(m, tokenize=False,
+                                                            add_generation_prompt=True),
+                              add_special_tokens=False), n)
+            for m, n in grounded_messages(tokenizer, count, seed, max_tokens)]
 
 
 def compare(loaded, threads: int, jobs: list[tuple], k: int, concurrency: int) -> dict:

@@ -91,3 +91,33 @@ def test_splitting_target_uses_the_engines_peak_kv(tmp_path):
     assert "| splitting: defaults' peak KV / max_splits=1 | 0.25     | < 1×    | yes |" in text
     assert "| splitting: defaults' tok/s / max_splits=1   | 0.9      | ≥ 0.85× | yes |" in text
     assert "| max_splits=1 " in text and "| 400 " in text
+
+
+def test_the_speculative_section_compares_with_the_faster_llamacpp(tmp_path):
+    """Per workload and concurrency: acceptance and tokens per step from seqgate's engine
+    counters, and the ratio taken against whichever llama.cpp was faster at that cell."""
+    from bench.report import write_report
+
+    def spec_run(server, workload, rep, scale, proposed=0, accepted=0):
+        run = _run(server, 1, rep, scale, workload=workload, phase="speculative")
+        if server.startswith("seqgate"):
+            run["engine"] = {"spec_proposed_tokens": proposed, "spec_accepted_tokens": accepted,
+                             "steps": 40, "generated_tokens": 80}
+        return run
+
+    runs = [spec_run(s, w, rep, scale, 100, 60 if w == "grounded" else 10)
+            for rep in (0, 1) for w, lookup in (("sharegpt", 0.9), ("grounded", 1.6))
+            for s, scale in (("seqgate", 1.2), ("seqgate-nospec", 1.0), ("llama.cpp", 1.0),
+                             ("llama.cpp-lookup", lookup))]
+    data = {"meta": _meta(speculative=60.0), "sweep": [], "agreement": {}, "cache": [],
+            "splitting": [], "speculative": runs, "failures": []}
+    data["meta"]["machine"]["isa"] = ["avx2", "fma"]
+    text = write_report(data, tmp_path / "benchmarks.md").read_text()
+    assert "CPU ISA: avx2 fma." in text
+    row = next(line for line in text.splitlines()
+               if line.startswith("| grounded | 1           | seqgate          |"))
+    assert [c.strip() for c in row.split("|")[4:10]] == ["2", "48", "76.8", "0.208", "0.6", "2"]
+    ratios = [[c.strip() for c in line.split("|")[1:6]] for line in text.splitlines()
+              if line.startswith(("| grounded", "| sharegpt")) and "tok/s" not in line]
+    assert ["grounded", "1", "seqgate", "llama.cpp-lookup", "0.75"] in ratios  # lookup faster
+    assert ["sharegpt", "1", "seqgate", "llama.cpp", "1.2"] in ratios  # plain faster

@@ -7,7 +7,14 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from bench.servers import LLAMA_CPP, SEQGATE, SWEEP_SERVERS, TF_SERVE
+from bench.servers import (
+    LLAMA_CPP,
+    LLAMA_CPP_LOOKUP,
+    SEQGATE,
+    SEQGATE_NO_SPEC,
+    SWEEP_SERVERS,
+    TF_SERVE,
+)
 
 
 def test_llama_cpp_gets_a_slot_per_concurrent_request():
@@ -17,6 +24,13 @@ def test_llama_cpp_gets_a_slot_per_concurrent_request():
     assert argv[argv.index("--parallel") + 1] == "32" and argv[argv.index("--port") + 1] == "8123"
     assert spec.request_model(Path("/models/x"), "served") is None
     assert "llama.cpp" in SWEEP_SERVERS
+
+
+def test_the_speculative_peers_keep_their_own_flags():
+    argv = LLAMA_CPP_LOOKUP.for_concurrency(4).argv(Path("/models/x"), 8123)
+    assert "--lookup" in argv and argv[argv.index("--parallel") + 1] == "4"
+    off = SEQGATE_NO_SPEC.argv(Path("/models/x"), 8123)
+    assert off[off.index("--num-speculative-tokens") + 1] == "0"
 
 
 def test_other_servers_ignore_the_concurrency():
