@@ -83,13 +83,12 @@ class EngineCore:
         self.grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_ids,
                                         step_seconds=lambda: self.decode_step_seconds)
         self.recorder = StepRecorder()
-        self._stats = self.recorder.totals
 
     def add_step_listener(self, fn: Callable[[StepStats], None]) -> None:
         self.recorder.listeners.append(fn)
 
     def stats(self) -> EngineStats:
-        s = self._stats
+        s = self.recorder.totals
         s.queued = len(self.scheduler.queue)
         s.running = self.scheduler.slots_taken()
         cache = self.prefix_cache  # its own counters: hits and misses per lookup at admission
@@ -190,7 +189,7 @@ class EngineCore:
         sbs = self.batch.sub_batches
         for job in plan.admitted:
             if not job.preemptions:
-                self._stats.prompt_tokens += len(job.prompt_ids)
+                self.recorder.totals.prompt_tokens += len(job.prompt_ids)
         ran = []
         for sb, result in zip(sbs, results):
             changed.update((s.job.job_id, s.job) for s in sb.seqs)
@@ -249,7 +248,7 @@ class EngineCore:
         KV, else the newest job that can be recomputed, go back to the queue with their output
         so far kept (engine.sched.preemption); where none can, the newest job fails."""
         plan.out_of_memory = True
-        self._stats.out_of_memory_steps += 1
+        self.recorder.totals.out_of_memory_steps += 1
         preempted, failed = victims(self.scheduler.jobs_by_age(), lost)
         for job in preempted:
             log.warning("out of memory (%s): job %s goes back to the queue", exc, job.job_id)
@@ -260,7 +259,7 @@ class EngineCore:
                 fail(s, "out of memory: the request does not fit on this device beside the "
                         "running ones; retry with fewer tokens (prompt or max_tokens)")
             job.release_prompt()
-        self._stats.preemptions += len(preempted)
+        self.recorder.totals.preemptions += len(preempted)
         changed.update((job.job_id, job) for job in preempted + failed)
         self.scheduler.out_of_memory()
         if self.loaded.device.type == "cuda":
@@ -291,7 +290,7 @@ class EngineCore:
                     continue
                 if s.status.finished:
                     s.final_sent = True
-                    self._stats.finished_by_reason[s.status.finish_reason] += 1
+                    self.recorder.totals.finished_by_reason[s.status.finish_reason] += 1
                     job.emit(s.take_delta())
                 elif s.out_tokens:
                     job.emit(s.take_delta())
