@@ -5,7 +5,7 @@ whole and streamed. Three syntaxes, chosen from the chat template (adapters/tool
   `<tool_call>\\n{"name": …, "arguments": {…}}\\n</tool_call>`, one block per call.
 - **llama3** (Llama 3.1, 3.2, 3.3 with JSON tools): the answer is the call itself,
   `{"name": …, "parameters": {…}}`; one call per answer, as the template can only render one
-  back.
+  back. (Llama's `<|python_tag|>` is for its built-in tools, which are not served.)
 - **mistral** (Mistral 7B v0.3, Nemo, Small 2501 and their templates): `[TOOL_CALLS]` and a JSON
   array of `{"name": …, "arguments": {…}}`. Where the tokenizer has `[TOOL_CALLS]` as one special
   token, the grammar writes that token (the one the model was trained on) and the answer is
@@ -14,6 +14,7 @@ whole and streamed. Three syntaxes, chosen from the chat template (adapters/tool
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -53,30 +54,30 @@ def call_of(obj: Any) -> ToolCall | None:
     return ToolCall(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def parse_call(block: str) -> ToolCall | None:
-    """One call's JSON text, or None when it is not a call."""
-    try:
-        return call_of(json.loads(block))
-    except ValueError:
-        return None
-
-
 @dataclass(frozen=True)
 class CallSyntax:
-    """One family's call syntax. `opener` is the text calls start with, as detokenized;
-    `opener_lark` how the grammar writes it (a special token by id, or the text)."""
+    """One family's call syntax, which opens the answer: an optional `marker` (Mistral's
+    `[TOOL_CALLS]` and a JSON array), then calls, each a JSON object between `call_open` and
+    `call_close`, parted by `separator`."""
 
     name: str
-    opener: str
-    opener_lark: str
     key: str  # the call object's arguments key
     multiple: bool  # whether one answer may hold several calls
-    anywhere: bool  # whether calls may follow text (else the answer opens with them)
+    separator: str
+    call_open: str = ""
+    call_close: str = ""
+    marker: str = ""  # detokenized text before the calls (then an array holds them)
+    marker_lark: str = ""  # how the grammar writes the marker: a special token by id, or text
+
+    @property
+    def opener(self) -> str:
+        """What an answer that calls opens with."""
+        return self.marker or self.call_open.strip() or "{"
 
     @property
     def special(self) -> bool:
-        """Whether the opener is a special token (detokenize keeping special tokens)."""
-        return self.opener_lark.startswith("<[")
+        """Whether the marker is a special token (detokenize keeping special tokens)."""
+        return self.marker_lark.startswith("<[")
 
     def call_schema(self, options: list[dict[str, Any]]) -> dict[str, Any]:
         """The JSON of one call, given each tool's `(name, closed parameters)` as options."""
@@ -89,14 +90,12 @@ class CallSyntax:
 
     def call_rules(self, call_json: str, parallel: bool) -> list[str]:
         """Lark rules defining `calls` (one or, with `parallel`, several calls)."""
-        separator = _CALL_SEPARATORS[self.name]
-        more = f" ({json.dumps(separator)} call)*" if parallel and self.multiple else ""
-        if self.name == "hermes":
-            return [f"calls: call{more}",
-                    f'call: "<tool_call>\\n" %json {call_json} "\\n</tool_call>"']
-        if self.name == "mistral":
-            return [f'calls: {self.opener_lark} " [" call{more} "]"', f"call: %json {call_json}"]
-        return [f"calls: call{more}", f"call: %json {call_json}"]
+        more = f" ({json.dumps(self.separator)} call)*" if parallel and self.multiple else ""
+        calls = f'{self.marker_lark} " [" call{more} "]"' if self.marker else f"call{more}"
+        call = " ".join(p for p in (self.call_open and json.dumps(self.call_open),
+                                    f"%json {call_json}",
+                                    self.call_close and json.dumps(self.call_close)) if p)
+        return [f"calls: {calls}", f"call: {call}"]
 
     def text_rule(self) -> str:
         """A plain answer under `auto`: any text that does not open with a call."""
@@ -104,38 +103,40 @@ class CallSyntax:
             return r"TEXT: /(?s:.+)/"
         return rf"TEXT: /(?s:.+)/ & ~/(?s:\s*{re.escape(self.opener)}.*)/"
 
-    def block(self, name: str, arguments: Any) -> str:
-        """One call as this syntax writes it (for the generic format's history)."""
-        call = json.dumps({"name": name, self.key: arguments})
-        return f"<tool_call>\n{call}\n</tool_call>" if self.name == "hermes" else call
-
     # -- parsing ------------------------------------------------------------------------------
 
-    def take(self, buffer: str) -> tuple[list[ToolCall], str, bool]:
-        """The complete calls at the head of `buffer` (which starts at the opener), what is
-        left of it, and whether the buffer turned out not to be calls at all."""
-        if self.name == "hermes":
-            calls = []
-            while (m := _HERMES_BLOCK.search(buffer)) is not None:
-                if (call := parse_call(m.group(1))) is not None:
-                    calls.append(call)
-                buffer = buffer[m.end():]
-            return calls, buffer, False
-        pos = len(buffer) - len(buffer.lstrip())
-        marker = self.opener if self.name == "mistral" else _PYTHON_TAG  # Llama's built-in tag
-        if buffer.startswith(marker, pos):
-            pos += len(marker)
+    def take(self, buffer: str, first: bool = True) -> tuple[list[ToolCall], str, bool]:
+        """The complete calls at the head of `buffer` (an answer that opens with calls, or
+        with `first` false what follows calls already taken), what is left of it, and whether
+        it turned out not to be calls at all (JSON that is no call, where the calls have no
+        marker of their own)."""
+        pos = _skip(buffer, 0)
+        if self.marker and first:
+            if not buffer.startswith(self.marker, pos):
+                return [], buffer, False
+            pos = _skip(buffer, pos + len(self.marker), "[")
         calls: list[ToolCall] = []
         while True:
-            start = _SEPARATORS[self.name].match(buffer, pos).end()
             rest = buffer[pos:] if calls else buffer
-            if start >= len(buffer) or buffer[start] != "{":
-                # After Llama's tag only a call may follow; Mistral's array may still open.
-                return calls, rest, start < len(buffer) and not calls and self.name == "llama3"
+            start = _skip(buffer, pos, self.separator.strip() or "\n")
+            opening = self.call_open.strip()
+            if opening:
+                if not buffer.startswith(opening, start):
+                    return calls, rest, False  # not there yet (a grammar writes nothing else)
+                start = _skip(buffer, start + len(opening))
+            if start >= len(buffer):
+                return calls, rest, False
+            if buffer[start] != "{":
+                return calls, rest, not calls
             try:
                 obj, end = _DECODER.raw_decode(buffer, start)
             except ValueError:
                 return calls, rest, False  # not complete yet
+            if self.call_close:
+                end = _skip(buffer, end)
+                if not buffer.startswith(self.call_close.strip(), end):
+                    return calls, rest, False
+                end += len(self.call_close.strip())
             call = call_of(obj) if isinstance(obj, dict) and _ARGUMENT_KEYS & obj.keys() \
                 else None
             if call is None:
@@ -144,39 +145,41 @@ class CallSyntax:
             pos = end
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """A whole answer → (content, calls). Text before the first call is the content; an
-        answer with no parsable call is all content."""
-        start = text.find(self.opener) if self.anywhere else len(text) - len(text.lstrip())
-        if start < 0 or (not self.anywhere and not text[start:].startswith(self.openers())):
-            return text, []
-        calls, _, _ = self.take(text[start:])
-        if not calls:
-            return text, []
-        return text[:start].strip() or None, calls
-
-    def openers(self) -> tuple[str, ...]:
-        return (self.opener, _PYTHON_TAG) if self.name == "llama3" else (self.opener,)
+        """A whole answer → (content, calls): the calls that open it, as a stream parses them
+        (text before a call is an answer the grammar allowed as text, not a call); an answer
+        with no parsable call is all content."""
+        calls = self.take(text)[0] if text.lstrip().startswith(self.opener) else []
+        return (None, calls) if calls else (text, [])
 
 
-_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-_PYTHON_TAG = "<|python_tag|>"
-# What stands between two calls of one answer, as each family writes it.
-_CALL_SEPARATORS = {"hermes": "\n", "llama3": "; ", "mistral": ", "}
+def _skip(text: str, pos: int, also: str = "") -> int:
+    """The first position from `pos` that is neither whitespace nor one of `also`."""
+    while pos < len(text) and (text[pos].isspace() or text[pos] in also):
+        pos += 1
+    return pos
+
+
 _ARGUMENT_KEYS = {"arguments", "parameters"}
-_SEPARATORS = {"llama3": re.compile(r"\s*;?\s*"), "mistral": re.compile(r"\s*[\[,]?\s*")}
 
-HERMES = CallSyntax("hermes", "<tool_call>", '"<tool_call>"', "arguments", True, True)
-LLAMA3 = CallSyntax("llama3", "{", '"{"', "parameters", False, False)
+HERMES = CallSyntax("hermes", "arguments", True, "\n", "<tool_call>\n", "\n</tool_call>")
+LLAMA3 = CallSyntax("llama3", "parameters", False, "; ")
+_MISTRAL_MARKER = "[TOOL_CALLS]"
 
 
+@functools.lru_cache(maxsize=8)
 def mistral(tokenizer=None) -> CallSyntax:
     """Mistral's syntax for this tokenizer: `[TOOL_CALLS]` by its special token where it is one
     (without a tokenizer, as text)."""
-    marker = "[TOOL_CALLS]"
-    ids = tokenizer.encode(marker, add_special_tokens=False) if tokenizer is not None else []
-    special = len(ids) == 1 and ids[0] in set(getattr(tokenizer, "all_special_ids", []) or [])
-    lark = f"<[{ids[0]}]>" if special else json.dumps(marker)
-    return CallSyntax("mistral", marker, lark, "arguments", True, True)
+    if tokenizer is None:
+        return CallSyntax("mistral", "arguments", True, ", ", marker=_MISTRAL_MARKER,
+                          marker_lark=json.dumps(_MISTRAL_MARKER))
+    ids = tokenizer.encode(_MISTRAL_MARKER, add_special_tokens=False)
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    # The flag decoding itself reads to skip a token, so the answer keeps what the grammar wrote.
+    special = len(ids) == 1 and ids[0] in added and added[ids[0]].special
+    lark = f"<[{ids[0]}]>" if special else json.dumps(_MISTRAL_MARKER)
+    return CallSyntax("mistral", "arguments", True, ", ", marker=_MISTRAL_MARKER,
+                      marker_lark=lark)
 
 
 class ToolStreamParser:
@@ -195,16 +198,15 @@ class ToolStreamParser:
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self._buffer += text
         if self._mode == "undecided":
-            head = self._buffer.lstrip()
-            openers = self.syntax.openers()
-            if head.startswith(openers):
+            head, opener = self._buffer.lstrip(), self.syntax.opener
+            if head.startswith(opener):
                 self._mode = "calls"
-            elif not head or any(o.startswith(head) for o in openers):
+            elif not head or opener.startswith(head):
                 return "", []
             else:
                 self._mode = "text"
         if self._mode == "calls":
-            calls, self._buffer, wrong = self.syntax.take(self._buffer)
+            calls, self._buffer, wrong = self.syntax.take(self._buffer, first=not self.calls)
             self.calls += len(calls)
             if not wrong:
                 return "", calls
@@ -215,6 +217,6 @@ class ToolStreamParser:
     def finish(self) -> str:
         """What is left when the answer ends: text that never became a call."""
         out, self._buffer = self._buffer, ""
-        if self._mode == "calls" and not out.strip(" ]\n"):  # what closed the calls
+        if self._mode == "calls" and not out.replace("]", "").strip():  # what closed the calls
             return ""
         return out

@@ -225,7 +225,8 @@ def generic_system_prompt(plan: ToolPlan) -> str:
 
 
 def call_block(name: str, arguments: Any) -> str:
-    return HERMES.block(name, arguments)
+    """One call as Hermes's block (the generic format's history)."""
+    return f'{CALL_OPEN}\n{json.dumps({"name": name, "arguments": arguments})}\n{CALL_CLOSE}'
 
 
 def with_tool_prompt(messages: list[dict[str, Any]], plan: ToolPlan) -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@ import re
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import AddedToken
 
 from adapters.openai_chat import build_chat_job
 from adapters.openai_types import ChatCompletionRequest
@@ -171,7 +172,7 @@ def test_mistral_grammar_in_text(compiler, tokenizer):
 def test_mistral_grammar_writes_the_special_token(special_tokenizer):
     syntax = mistral(special_tokenizer)
     marker = special_tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
-    assert syntax.special and syntax.opener_lark == f"<[{marker}]>"
+    assert syntax.special and syntax.marker_lark == f"<[{marker}]>"
     compiler = GrammarCompiler(special_tokenizer, len(special_tokenizer), [2])
     calls = "[TOOL_CALLS] " + json.dumps([{"name": "get_weather", "arguments": ROME}])
     assert special_tokenizer.encode(calls, add_special_tokens=False)[0] == marker
@@ -184,7 +185,18 @@ def test_mistral_grammar_writes_the_special_token(special_tokenizer):
     assert accepts(compiler, auto, "It is sunny.") and accepts(compiler, auto, calls)
 
 
-def test_the_special_opener_is_kept_in_the_answer_text(special_tokenizer, compiler):
+def test_a_token_flagged_special_only_where_it_is_added_counts(tokenizer):
+    """Some tokenizers flag `[TOOL_CALLS]` special in their added tokens without listing it
+    among the special tokens; decoding skips it all the same, so the grammar writes it too."""
+    tok = with_template(tokenizer, MISTRAL_TEMPLATE)
+    tok.add_tokens([AddedToken("[TOOL_CALLS]", special=True)])
+    marker = tok.convert_tokens_to_ids("[TOOL_CALLS]")
+    assert marker not in tok.all_special_ids
+    assert tok.decode([marker], skip_special_tokens=True) == ""
+    assert mistral(tok).special
+
+
+def test_the_special_opener_is_kept_in_the_answer_text(special_tokenizer):
     req = ChatCompletionRequest(messages=HISTORY[:1], tools=[WEATHER], tool_choice="required")
     special_compiler = GrammarCompiler(special_tokenizer, len(special_tokenizer), [2])
     spec = build_chat_job(req, special_tokenizer, 8192, grammars=special_compiler)
@@ -197,12 +209,14 @@ def _llama(name, args):
     return json.dumps({"name": name, "parameters": args})
 
 
-LLAMA3_ANSWERS = [_llama("get_weather", ROME), "<|python_tag|>" + _llama("f", {"k": [1]}),
+LLAMA3_ANSWERS = [_llama("get_weather", ROME), "  " + _llama("f", {"k": [1]}),
                   '{"answer": "sunny"}', '{"name": "Paris", "country": "France"}',
-                  "Plain {braces} text.", "  ", "{", '{"name": "get_w']
+                  "Plain {braces} text.", "  ", "{", '{"name": "get_w',
+                  "Sure: " + _llama("f", {})]
 MISTRAL_ANSWERS = ["[TOOL_CALLS] " + json.dumps([{"name": "a", "arguments": {"x": "]"}},
                                                  {"name": "b", "arguments": {}}]),
-                   "It is [TOOL_CALLS] sunny.", "[TOOL", "[TOOL_CALLS] [{\"name\": \"a\""]
+                   "It is [TOOL_CALLS] sunny.", "[TOOL", "[TOOL_CALLS] [{\"name\": \"a\"",
+                   "Let me see. [TOOL_CALLS] [{\"name\": \"a\", \"arguments\": {}}]"]
 
 
 @pytest.mark.parametrize(("syntax", "answer", "content", "calls"), [
@@ -213,8 +227,7 @@ MISTRAL_ANSWERS = ["[TOOL_CALLS] " + json.dumps([{"name": "a", "arguments": {"x"
     (LLAMA3, "Sure: " + LLAMA3_ANSWERS[0], "Sure: " + LLAMA3_ANSWERS[0], []),  # calls open it
     (LLAMA3, LLAMA3_ANSWERS[7], LLAMA3_ANSWERS[7], []),  # cut by max_tokens
     (mistral(None), MISTRAL_ANSWERS[0], None, [("a", {"x": "]"}), ("b", {})]),
-    (mistral(None), "Let me see. " + MISTRAL_ANSWERS[0], "Let me see.", [("a", {"x": "]"}),
-                                                                       ("b", {})]),
+    (mistral(None), MISTRAL_ANSWERS[4], MISTRAL_ANSWERS[4], []),  # calls open the answer
     (mistral(None), MISTRAL_ANSWERS[3], MISTRAL_ANSWERS[3], []),
 ])
 def test_whole_answers(syntax, answer, content, calls):
@@ -245,7 +258,7 @@ def test_streams_carry_what_the_whole_answer_holds(case, cuts):
 
 
 def test_mistral_without_a_tokenizer_is_text():
-    assert mistral(None).opener_lark == '"[TOOL_CALLS]"'
+    assert mistral(None).marker_lark == '"[TOOL_CALLS]"'
 
 
 # -- history ----------------------------------------------------------------------------------
