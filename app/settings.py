@@ -277,7 +277,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("num_speculative_tokens", "engine", _int(0),
            ("option.num_speculative_tokens", "option.speculative_length"),
            "--num-speculative-tokens",
-           "speculative decoding by prompt lookup: draft tokens per plain greedy row; 0: off"),
+           "speculative decoding by prompt lookup: draft tokens per plain (greedy or unseeded "
+           "sampled) row; 0: off"),
     Option("speculative_max_rows", "engine", _int(0), ("option.speculative_max_rows",),
            "--speculative-max-rows", "no step speculates while more rows than this decode"),
     Option("quantize", "engine", _choice(*QUANTIZE_MODES), ("option.quantize",),

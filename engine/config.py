@@ -88,8 +88,8 @@ class EngineConfig:
     # sdpa always runs SDPA.
     decode_attention: str = "auto"
     # Speculative decoding by prompt lookup (engine/sample/speculative.py): up to this many
-    # tokens per plain greedy row, proposed from n-grams of its prompt and output and verified
-    # in the step's forward; 0: off.
+    # tokens per plain row (greedy, or sampled without a seed), proposed from n-grams of its
+    # prompt and output and verified in the step's forward; 0: off.
     num_speculative_tokens: int = 4
     # No step speculates while more rows than this decode: a sub-batch keeps only the drafts
     # every one of its rows accepted, and a large batch already reads each weight for many.

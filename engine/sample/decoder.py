@@ -116,9 +116,15 @@ class TokenDecoder:
         choices = [chosen[f : f + 1 + len(d)] for f, d in zip(firsts, drafts)]
         drawn = [i for i, s in enumerate(sb.seqs) if s.job.strategy == "sample"]
         if drawn:
-            got = sampled_choices(result.logits, [firsts[i] for i in drawn],
-                                  [drafts[i] for i in drawn], [sb.seqs[i] for i in drawn],
-                                  self.generator)
+            try:
+                got = sampled_choices(result.logits, [firsts[i] for i in drawn],
+                                      [drafts[i] for i in drawn], [sb.seqs[i] for i in drawn],
+                                      self.generator)
+            except Exception:
+                # As in `choose`: a bug, said loudly; then the row that raises fails alone.
+                log.exception("rejection sampling failed; verifying row by row")
+                got = [self._sampled_alone(sb.seqs[i], result.logits, firsts[i], drafts[i])
+                       for i in drawn]
             for i, row in zip(drawn, got):
                 choices[i] = row
         outcome = verify(drafts, choices)
@@ -132,6 +138,17 @@ class TokenDecoder:
                 if s.status.finished:
                     break
                 self.accept(s, tok, None)
+
+    def _sampled_alone(self, s: Sequence, logits: torch.Tensor, first: int,
+                       draft: list[int]) -> list[int]:
+        """One sampled row's verification; where it raises, the row fails (its choice then
+        keeps none of the draft, and nothing is accepted for a finished row)."""
+        try:
+            return sampled_choices(logits, [first], [draft], [s], self.generator)[0]
+        except Exception as exc:
+            log.exception("rejection sampling failed for %s", s.job.job_id)
+            fail(s, f"sampling failed: {exc}")
+            return [-1]
 
     def _choose_rows(self, seqs: list[Sequence], logits: torch.Tensor):
         logits = apply_penalties(logits, seqs, self.vocab_size)

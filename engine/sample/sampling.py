@@ -150,6 +150,18 @@ def _cut_ranked(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     return cut.scatter_(1, order, drop)
 
 
+def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """Each row's sampling distribution: its logits under its own temperature, top-k, top-p
+    and min-p (`params[i]` the row's SamplingParams)."""
+    temperature, top_k, top_p, min_p = to_device(
+        [[max(x.temperature, 1e-5) for x in params], [x.top_k for x in params],
+         [x.top_p for x in params], [x.min_p for x in params]], logits.device, torch.float32)
+    return filter_logits(logits, temperature, top_k.long(), top_p, min_p,
+                         any_min_p=any(x.min_p > 0 for x in params),
+                         ranked=[i for i, x in enumerate(params) if x.top_k > 0 or x.top_p < 1.0]
+                         ).softmax(dim=-1)
+
+
 def sample_rows(
     logits: torch.Tensor, seqs: list[Sequence], default_gen: torch.Generator
 ) -> list[int]:
@@ -161,14 +173,7 @@ def sample_rows(
     multinomial call costs a step its time).
     """
     dev = logits.device
-    p = [s.params for s in seqs]
-    temperature, top_k, top_p, min_p = to_device(
-        [[max(x.temperature, 1e-5) for x in p], [x.top_k for x in p], [x.top_p for x in p],
-         [x.min_p for x in p]], dev, torch.float32)
-    filtered = filter_logits(logits, temperature, top_k.long(), top_p, min_p,
-                             any_min_p=any(x.min_p > 0 for x in p),
-                             ranked=[i for i, x in enumerate(p) if x.top_k > 0 or x.top_p < 1.0])
-    probs = filtered.softmax(dim=-1)
+    probs = filtered_probs(logits, [s.params for s in seqs])
     u = torch.empty(len(seqs), device=dev)
     unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
     if unseeded:

@@ -2,8 +2,8 @@
 llama.cpp's lookup decoding): a row whose last few tokens occurred earlier in its prompt or
 output proposes the tokens that followed them there; the next step feeds its pending token and
 that draft together (causally, at consecutive positions) and keeps the longest prefix of the
-draft that its own greedy choices agree with, plus the choice after it. The output is the one
-plain greedy decoding gives, token for token; a step yields up to 1 + k tokens per row for
+draft that its own choices agree with, plus the choice after it. A greedy row's output is the
+one plain greedy decoding gives, token for token; a step yields up to 1 + k tokens per row for
 about the cost of one when the weights, not the arithmetic, bound it (one row on a CPU).
 
 Sampled rows verify by rejection sampling (Leviathan et al. 2023; Chen et al. 2023), which keeps
@@ -25,7 +25,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.request.job import Sequence
-from engine.sample.sampling import filter_logits
+from engine.sample.sampling import filtered_probs
 from engine.staging import to_device
 
 # n-gram sizes matched, longest first: a longer match predicts better; 2 still finds copies.
@@ -74,8 +74,9 @@ class SpecOutcome:
 
 
 def verify(drafts: list[list[int]], choices: list[list[int]]) -> SpecOutcome:
-    """Given each row's draft and its greedy choice after each fed token (pending token, then
-    the draft's), what the sub-batch keeps."""
+    """Given each row's draft and its choice after each fed token (pending token, then the
+    draft's: a greedy row's argmax, a sampled row's `sampled_choices`), what the sub-batch
+    keeps."""
     agreed = []
     for draft, chosen in zip(drafts, choices):
         n = 0
@@ -103,13 +104,7 @@ def sampled_choices(logits: torch.Tensor, firsts: list[int], drafts: list[list[i
         starts.append(len(rows))
         rows += range(f, f + 1 + len(d))
         p += [s.params] * (1 + len(d))
-    temperature, top_k, top_p, min_p = to_device(
-        [[max(x.temperature, 1e-5) for x in p], [x.top_k for x in p], [x.top_p for x in p],
-         [x.min_p for x in p]], dev, torch.float32)
-    probs = filter_logits(logits[to_device(rows, dev)], temperature, top_k.long(), top_p, min_p,
-                          any_min_p=any(x.min_p > 0 for x in p),
-                          ranked=[i for i, x in enumerate(p) if x.top_k > 0 or x.top_p < 1.0]
-                          ).softmax(dim=-1)
+    probs = filtered_probs(logits[to_device(rows, dev)], p)
     # Each draft token's probability where it was proposed, against one uniform draw each.
     at = to_device([[a + j for a, d in zip(starts, drafts) for j in range(len(d))],
                     [t for d in drafts for t in d]], dev)
@@ -125,9 +120,7 @@ def sampled_choices(logits: torch.Tensor, firsts: list[int], drafts: list[list[i
     if refused:
         gone = to_device(list(zip(*refused)), dev)
         residual[gone[0], gone[1]] = 0.0
-    empty = residual.sum(dim=-1) <= 0  # a refused token held all the mass (rounding)
-    if bool(empty.any()):
-        residual[empty] = probs[to_device(ends, dev)][empty]
+    # A refusal needs a draw u >= p(d) with u < 1, so some other token keeps mass.
     picks = torch.multinomial(residual, 1, generator=generator).squeeze(1).tolist()
     return [d[: e - a] + [x] for a, e, d, x in zip(starts, ends, drafts, picks)]
 

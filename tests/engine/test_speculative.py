@@ -13,7 +13,7 @@ import torch
 
 from engine import ConfigError, EngineConfig, SamplingParams
 from engine.model.loader import LoadedModel
-from engine.sample import speculative
+from engine.sample import decoder, speculative
 from engine.sample.sampling import filter_logits
 from engine.sample.speculative import propose, sampled_choices, verify
 from tests.engine.helpers import collect, reference_greedy
@@ -188,12 +188,14 @@ def sixteen_tokens(smollm2):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("biased", [False, True], ids=["rejection sampling", "drafts kept"])
 def test_sampled_output_keeps_the_models_distribution_with_drafts(sixteen_tokens, make_engine,
-                                                                  monkeypatch):
+                                                                  monkeypatch, biased):
     """Every step of every row verifies a two-token draft (the model's own greedy
     continuation, so that drafts are often kept, and rows of a sub-batch keep different
     numbers); the joint distribution of the 2nd and 3rd tokens over 2,000 answers matches the
-    model's own, enumerated exactly."""
+    model's own, enumerated exactly. With every draft kept (the negative control), it does not.
+    """
     model, prompt = sixteen_tokens.model, [3, 7, 1, 12, 5, 9]
     with torch.no_grad():
         p1 = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
@@ -202,7 +204,7 @@ def test_sampled_output_keeps_the_models_distribution_with_drafts(sixteen_tokens
                    ).logits[:, -1].softmax(-1).view(16, 16, 16)
     joint = torch.einsum("a,ab,abc->bc", p1, p2, p3)  # P(x2 = b, x3 = c)
 
-    @functools.lru_cache(maxsize=None)  # contexts repeat: a prompt and a few of 16 tokens
+    @functools.cache  # contexts repeat: a prompt and a few of 16 tokens
     @torch.no_grad()
     def greedy_draft(context: tuple[int, ...], k: int) -> list[int]:
         out = list(context)
@@ -213,6 +215,9 @@ def test_sampled_output_keeps_the_models_distribution_with_drafts(sixteen_tokens
     monkeypatch.setattr(speculative, "propose", lambda context, k: greedy_draft(tuple(context),
                                                                                 k))
     monkeypatch.setattr(speculative, "LOW_ACCEPTANCE", 0.0)  # draft every step
+    if biased:
+        monkeypatch.setattr(decoder, "sampled_choices",
+                            lambda logits, firsts, drafts, seqs, g: [d + d[-1:] for d in drafts])
     eng = make_engine(sixteen_tokens, num_speculative_tokens=2, max_rolling_batch_size=4,
                       speculative_max_rows=4, max_sparsity=1.0)
     pairs = []
@@ -224,6 +229,9 @@ def test_sampled_output_keeps_the_models_distribution_with_drafts(sixteen_tokens
         pairs += [collect(h)[0]["tokens"][1:3] for h in handles]
     counts = torch.bincount(torch.tensor([16 * b + c for b, c in pairs]), minlength=256).float()
     stats = eng.stats()
+    if biased:
+        assert chi_square_p(counts, joint.flatten()) < 1e-6
+        return
     assert 0 < stats.spec_accepted_tokens < stats.spec_proposed_tokens  # kept and refused
     assert chi_square_p(counts, joint.flatten()) > 1e-3
 
@@ -239,3 +247,23 @@ def test_seeded_and_penalised_sampled_rows_do_not_draft(smollm2, make_engine):
     eng.submit(ids, SamplingParams(strategy="sample", temperature=0.2, max_new_tokens=8))
     eng.run_until_idle()
     assert eng.stats().spec_proposed_tokens > 0  # a plain sampled row does
+
+
+def test_a_row_whose_verification_raises_fails_alone(sixteen_tokens, make_engine, monkeypatch):
+    real = speculative.sampled_choices
+
+    def flaky(logits, firsts, drafts, seqs, generator):
+        if any(s.params.max_new_tokens == 5 for s in seqs):
+            raise RuntimeError("injected")
+        return real(logits, firsts, drafts, seqs, generator)
+
+    monkeypatch.setattr(decoder, "sampled_choices", flaky)
+    monkeypatch.setattr(speculative, "propose", lambda context, k: context[-1:][:k])
+    monkeypatch.setattr(speculative, "LOW_ACCEPTANCE", 0.0)
+    eng = make_engine(sixteen_tokens, num_speculative_tokens=2, max_sparsity=1.0)
+    handles = [eng.submit([3, 7, 1, 12], SamplingParams(strategy="sample", max_new_tokens=n,
+                                                        ignore_eos=True)) for n in (5, 6)]
+    eng.run_until_idle()
+    bad, good = (collect(h)[0] for h in handles)
+    assert bad["finish"] == "error" and len(good["tokens"]) == 6
+    assert eng.stats().spec_proposed_tokens > 0
