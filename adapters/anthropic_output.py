@@ -77,9 +77,12 @@ def tool_use_block(call: ToolCall) -> ToolUseBlock:
 
 class _Answer:
     """What both shapes of the answer track: usage, the generated ids, how it finished, and
-    the thinking split off (`thinks` None: no reasoning parser)."""
+    the thinking split off (`thinks` None: no reasoning parser); the thinking is shown only
+    where the request enabled it (`shown`), as Anthropic returns it."""
 
-    def __init__(self, stops: list[str], decode: Decode, thinks: bool | None):
+    def __init__(self, stops: list[str], decode: Decode, thinks: bool | None,
+                 shown: bool = True):
+        self.shown = shown
         self.stops, self.decode = stops, decode
         self.usage = UsageCounter()
         self.token_ids: list[int] = []
@@ -96,6 +99,7 @@ class _Answer:
         if self.splitter is None:
             return "", delta.text
         thought, text = self.splitter.feed(delta.text, len(delta.token_ids), last=delta.finished)
+        thought = thought if self.shown else ""
         self.thought.append(thought)
         return thought, text
 
@@ -115,8 +119,8 @@ class MessagesAssembler(_Answer):
     """Collects a job's deltas into the non-streaming Message."""
 
     def __init__(self, id: str, model: str, tools: ToolPlan | None, stops: list[str],
-                 decode: Decode, thinks: bool | None = None):
-        super().__init__(stops, decode, thinks)
+                 decode: Decode, thinks: bool | None = None, shown: bool = True):
+        super().__init__(stops, decode, thinks, shown)
         self.id, self.model, self.tools = id, model, tools
         self.texts: list[str] = []
 
@@ -142,8 +146,9 @@ class MessagesChunker(_Answer):
     with the final usage at the end."""
 
     def __init__(self, id: str, model: str, prompt_tokens: int, tools: ToolPlan | None,
-                 stops: list[str], decode: Decode, thinks: bool | None = None):
-        super().__init__(stops, decode, thinks)
+                 stops: list[str], decode: Decode, thinks: bool | None = None,
+                 shown: bool = True):
+        super().__init__(stops, decode, thinks, shown)
         self.id, self.model, self.prompt_tokens = id, model, prompt_tokens
         self.parser = ToolStreamParser(tools.syntax) if tools is not None else None
         self.blocks = 0  # blocks opened so far

@@ -16,14 +16,18 @@ from adapters.errors import ApiError
 MIN_BUDGET = 1024  # Anthropic's least budget_tokens
 
 
+def thinking_enabled(thinking: dict[str, Any] | None) -> bool:
+    """Whether the request asked for thinking (and so gets thinking blocks back)."""
+    return isinstance(thinking, dict) and thinking.get("type") == "enabled"
+
+
 def template_thinking(thinking: dict[str, Any] | None, max_tokens: int | None
-                      ) -> dict[str, Any] | None:
-    """The chat-template variables `thinking` means (None: the template's default). The budget
-    is checked as Anthropic checks it, and not enforced: the thinking counts against
+                      ) -> dict[str, Any]:
+    """The chat-template variables `thinking` means: off unless enabled, as Anthropic's default
+    is (a template that thinks regardless still does; its thinking is then not shown). The
+    budget is checked as Anthropic checks it, and not enforced: the thinking counts against
     max_tokens."""
-    if thinking is None:
-        return None
-    kind = thinking.get("type")
+    kind = "disabled" if thinking is None else thinking.get("type")
     if kind == "disabled":
         return {"enable_thinking": False}
     if kind != "enabled":

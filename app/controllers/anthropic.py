@@ -22,6 +22,7 @@ from adapters.anthropic_messages import (
     error_body,
 )
 from adapters.anthropic_output import MessagesAssembler, MessagesChunker, message_id
+from adapters.anthropic_thinking import thinking_enabled
 from adapters.anthropic_types import (
     CountTokensRequest,
     CountTokensResponse,
@@ -99,13 +100,14 @@ class MessagesController(Controller):
             return tokenizer.decode(ids, skip_special_tokens=True)
 
         stops, ident = spec.params.stop, message_id()
+        shown = thinking_enabled(req.thinking)
         if req.stream:
             chunker = MessagesChunker(ident, gw.model_name, len(spec.prompt_ids), spec.tools,
-                                      stops, decode_ids, spec.thinks)
+                                      stops, decode_ids, spec.thinks, shown)
             return sse_response(stream, chunker.start(), chunker.on_delta, chunker.finish,
                                 gw.settings.server.sse_ping_seconds, ANTHROPIC_FRAMING)
         assembler = MessagesAssembler(ident, gw.model_name, spec.tools, stops, decode_ids,
-                                      spec.thinks)
+                                      spec.thinks, shown)
         await collect(stream, request, lambda _, d: assembler.add(d))
         return json_response(assembler.response())
 

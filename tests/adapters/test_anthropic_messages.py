@@ -24,7 +24,7 @@ from adapters.anthropic_messages import (
 )
 from adapters.anthropic_output import MessagesAssembler, MessagesChunker, matched_stop
 from adapters.anthropic_thinking import template_thinking
-from adapters.anthropic_types import CountTokensRequest, MessagesRequest
+from adapters.anthropic_types import CountTokensRequest, MessagesRequest, TextBlock
 from adapters.errors import ApiError
 from adapters.reasoning import parser_name
 from adapters.tool_syntax import HERMES, LLAMA3, mistral
@@ -197,8 +197,22 @@ def test_thinking_blocks_sent_back_are_left_out():
     assert thought == plain
 
 
+def test_thinking_not_asked_for_is_not_shown():
+    """A template that thinks regardless: the thinking is split from the answer and dropped,
+    as Anthropic returns no thinking blocks unless thinking was enabled."""
+    whole = MessagesAssembler("msg_1", "m", None, [], lambda ids: "", thinks=True, shown=False)
+    whole.add(delta("Colors first.</think>Red.", [1, 2, 3], "stop", done=3))
+    assert whole.response().content == [TextBlock("Red.")]
+    stream = MessagesChunker("msg_1", "m", 10, None, [], lambda ids: "", thinks=True,
+                             shown=False)
+    events = [*stream.start(), *stream.on_delta(0, delta("Colors first.</think>Red.", [1, 2, 3],
+                                                           "stop", done=3)), *stream.finish()]
+    starts = [type(e.content_block) for e in events if hasattr(e, "content_block")]
+    assert starts == [TextBlock]
+
+
 def test_the_thinking_parameter_is_the_templates_switch():
-    assert template_thinking(None, 2000) is None
+    assert template_thinking(None, 2000) == {"enable_thinking": False}  # Anthropic's default
     assert template_thinking({"type": "disabled"}, 8) == {"enable_thinking": False}
     assert template_thinking({"type": "enabled", "budget_tokens": 1024}, 2000) == {
         "enable_thinking": True}

@@ -363,6 +363,8 @@ def test_thinking_disabled_and_thinking_sent_back(reasoning_server):
         model="", messages=HELLO, max_tokens=8, temperature=0,
         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert off.content[0].text == chat.choices[0].message.content
+    unasked = client.messages.create(model="", messages=HELLO, max_tokens=8)
+    assert [(b.type, b.text) for b in unasked.content] == [("text", off.content[0].text)]
     counted = {kind: client.messages.count_tokens(model="", messages=HELLO, thinking=thinking)
                .input_tokens for kind, thinking in (("on", THINK), ("off", {"type": "disabled"}))}
     assert counted["off"] > counted["on"]  # the closed block
