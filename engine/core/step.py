@@ -129,7 +129,7 @@ class EngineCore:
         chunks run), laid out by the runner, one forward (or one per group without the packed
         path); then tokens are chosen, finished prompts start decoding, the prefix cache takes
         what ended, and the changes are published."""
-        t0 = time.perf_counter()
+        t0, made = time.perf_counter(), self.decoder.generated_tokens
         plan = self.scheduler.schedule()
         changed: dict[str, Job] = {job.job_id: job for job in plan.aborted}
         self.speculator.draft(self.scheduler.running)
@@ -155,10 +155,11 @@ class EngineCore:
         self._publish(changed)
         seconds = time.perf_counter() - t0
         self.scheduler.update_from_step(plan, seconds)
-        if plan.decode_rows and not plan.chunks and plan.groups is None and \
-                not plan.out_of_memory:
+        if plan.decode_rows and plan.groups is None and not (plan.chunks or plan.out_of_memory):
             last = self.decode_step_seconds
-            self.decode_step_seconds = seconds if not last else 0.9 * last + 0.1 * seconds
+            self.decode_step_seconds = 0.9 * last + 0.1 * seconds if last else seconds
+            self.speculator.step_done(plan.decode_rows, self.decoder.generated_tokens - made,
+                                      seconds)
         return self.recorder.record(plan, self.batch, self.scheduler, seconds)
 
     def _execute(self, sbs: list[SubBatch], chunks: list[Chunk]) -> list:

@@ -35,6 +35,37 @@ SEARCH_TOKENS = 2048
 # Acceptance below this (tokens kept per token proposed, over recent steps) pauses drafting
 # for PAUSE_STEPS: a draft costs its columns' compute and a masked attention.
 LOW_ACCEPTANCE, PAUSE_STEPS = 0.1, 32
+# Payoff: each way (drafts fed or not) is judged after this many decode-only steps at a row
+# count, over decayed sums; the way that loses is tried again every EXPLORE-th step there, so
+# that a change (longer contexts, other prompts) is seen.
+MIN_STEPS, DECAY, EXPLORE = 4, 0.95, 16
+
+
+class Payoff:
+    """Whether drafting pays, per number of rows decoding, judged by what it yielded: output
+    tokens per second of decode-only steps with drafts fed against steps without. Whether extra
+    columns cost little (one row, the weights' reads bound) or as much as the rows (several
+    rows, the arithmetic bounds: a CPU's cores) depends on the machine, the model and the
+    rows, so it is measured rather than modelled."""
+
+    def __init__(self) -> None:
+        self._sums: dict[tuple[int, bool], list[float]] = {}  # (rows, fed) -> tokens, s, steps
+        self._asked: dict[int, int] = {}
+
+    def observe(self, rows: int, fed: bool, tokens: int, seconds: float) -> None:
+        t = self._sums.setdefault((rows, fed), [0.0, 0.0, 0.0])
+        t[0], t[1], t[2] = DECAY * t[0] + tokens, DECAY * t[1] + seconds, t[2] + 1
+
+    def _rate(self, rows: int, fed: bool) -> float | None:
+        t = self._sums.get((rows, fed))
+        return t[0] / t[1] if t is not None and t[2] >= MIN_STEPS and t[1] > 0 else None
+
+    def pays(self, rows: int) -> bool:
+        on, off = self._rate(rows, True), self._rate(rows, False)
+        if on is None or off is None:
+            return True  # learn what drafts yield (steps without any come by themselves)
+        self._asked[rows] = asked = self._asked.get(rows, 0) + 1
+        return (on >= off) != (asked % EXPLORE == 0)
 
 
 def propose(context: list[int], k: int) -> list[int]:
@@ -137,12 +168,22 @@ class Speculator:
         self.accepted = 0  # of those, kept
         self._recent = [0.0, 0.0]  # decayed (proposed, accepted)
         self._paused = 0
+        self.payoff = Payoff()
+        self._fed = False  # whether the step under way verified drafts
 
     def draft(self, rows: list[Sequence]) -> None:
         """Set each running row's draft for the coming step ([] where none is proposed)."""
-        active = self.k and 0 < len(rows) <= self.max_rows and not self._pause()
+        self._fed = False
+        active = (self.k and 0 < len(rows) <= self.max_rows and not self._pause()
+                  and self.payoff.pays(len(rows)))
         for s in rows:
             s.draft = self._propose(s) if active else []
+
+    def step_done(self, rows: int, tokens: int, seconds: float) -> None:
+        """A decode-only step of `rows` rows made `tokens` tokens in `seconds`: what drafting
+        (or not) yielded there."""
+        if 0 < rows <= self.max_rows and self.k:
+            self.payoff.observe(rows, self._fed, tokens, seconds)
 
     def _propose(self, s: Sequence) -> list[int]:
         if not plain(s) or s.status.finished:
@@ -165,6 +206,7 @@ class Speculator:
         return False
 
     def record(self, proposed: int, accepted: int) -> None:
+        self._fed = True
         self.proposed += proposed
         self.accepted += accepted
         self._recent = [0.9 * self._recent[0] + proposed, 0.9 * self._recent[1] + accepted]

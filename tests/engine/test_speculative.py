@@ -30,6 +30,28 @@ COPYING = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def drafts_always_pay(monkeypatch, request):
+    """These tests are about what drafts do, so every step may draft (the payoff, which decides
+    by what drafting yielded on the machine, has its own test)."""
+    if "payoff" not in request.node.name:
+        monkeypatch.setattr(speculative.Payoff, "pays", lambda self, rows: True)
+
+
+def test_the_payoff_drafts_where_drafts_yielded_more():
+    payoff = speculative.Payoff()
+    assert payoff.pays(1)  # nothing seen: learn
+    for _ in range(speculative.MIN_STEPS):
+        payoff.observe(1, True, 3, 0.030)  # 100 tokens/s with drafts
+        payoff.observe(1, False, 1, 0.020)  # 50 without
+        payoff.observe(4, True, 6, 0.140)  # 43 with drafts at 4 rows
+        payoff.observe(4, False, 4, 0.070)  # 57 without
+    one = [payoff.pays(1) for _ in range(2 * speculative.EXPLORE)]
+    four = [payoff.pays(4) for _ in range(2 * speculative.EXPLORE)]
+    assert one.count(False) == 2 and four.count(True) == 2  # the loser tried now and then
+    assert payoff.pays(2)  # another row count learns by itself
+
+
 def greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(strategy="greedy", max_new_tokens=n, **kw)
 
