@@ -127,7 +127,7 @@ class CallSyntax:
             if start >= len(buffer):
                 return calls, rest, False
             if buffer[start] != "{":
-                return calls, rest, not calls
+                return calls, rest, first and not calls
             try:
                 obj, end = _DECODER.raw_decode(buffer, start)
             except ValueError:
@@ -140,7 +140,7 @@ class CallSyntax:
             call = call_of(obj) if isinstance(obj, dict) and _ARGUMENT_KEYS & obj.keys() \
                 else None
             if call is None:
-                return calls, rest, not calls
+                return calls, rest, first and not calls
             calls.append(call)
             pos = end
 

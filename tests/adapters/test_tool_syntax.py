@@ -11,7 +11,7 @@ import json
 import re
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken
 
@@ -22,7 +22,7 @@ from adapters.tools import native_call_id, tool_format, tool_grammar, tool_plan
 from engine import Engine, EngineConfig
 from engine.sample.grammar import Grammar, GrammarCompiler
 from tests.adapters.test_tools import HERMES as HERMES_TEMPLATE
-from tests.adapters.test_tools import HISTORY, WEATHER
+from tests.adapters.test_tools import HISTORY, WEATHER, accepts
 
 # Llama 3.1's tool part: tools in the first user turn, a call as the whole assistant turn in
 # `{"name": …, "parameters": …}`, one call per turn, results in the `ipython` role.
@@ -106,23 +106,11 @@ def with_template(tokenizer, template: str):
 
 
 @pytest.fixture(scope="module")
-def compiler(smollm2):
-    return GrammarCompiler(smollm2.tokenizer, smollm2.model.config.vocab_size, [2])
-
-
-@pytest.fixture(scope="module")
 def special_tokenizer(tokenizer):
     """SmolLM2's tokenizer with `[TOOL_CALLS]` as one special token, as Mistral's have it."""
     tok = with_template(tokenizer, MISTRAL_TEMPLATE)
     tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
     return tok
-
-
-def accepts(compiler, grammar: str, text: str) -> bool:
-    matcher = compiler.compile(Grammar.lark(grammar)).matcher()
-    ids = compiler._hf_tokenizer.encode(text, add_special_tokens=False)
-    return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) \
-        and matcher.is_accepting()
 
 
 def plan(tools, choice, syntax, parallel=None):
@@ -241,6 +229,7 @@ def test_whole_answers(syntax, answer, content, calls):
                        + [(mistral(None), a) for a in MISTRAL_ANSWERS]
                        + [(HERMES, '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>')]),
        st.lists(st.integers(0, 200), max_size=8))
+@example((mistral(None), MISTRAL_ANSWERS[0]), [len(MISTRAL_ANSWERS[0]) - 1])  # "]" alone last
 def test_streams_carry_what_the_whole_answer_holds(case, cuts):
     syntax, answer = case
     bounds = sorted({min(c, len(answer)) for c in cuts} | {0, len(answer)})

@@ -19,7 +19,7 @@ from adapters.tool_syntax import HERMES as HERMES_SYNTAX
 from adapters.tool_syntax import ToolStreamParser
 from adapters.tools import call_block, tool_format, tool_grammar, tool_plan
 from engine import Engine, EngineConfig
-from engine.sample.grammar import Grammar, GrammarCompiler
+from engine.sample.grammar import Grammar
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -84,11 +84,6 @@ def hermes_tokenizer(tokenizer):
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = HERMES
     return tok
-
-
-@pytest.fixture(scope="module")
-def compiler(smollm2):
-    return GrammarCompiler(smollm2.tokenizer, smollm2.model.config.vocab_size, [2])
 
 
 # -- plans ------------------------------------------------------------------------------------
