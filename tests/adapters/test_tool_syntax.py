@@ -21,6 +21,7 @@ from adapters.tool_syntax import HERMES, LLAMA3, ToolStreamParser, mistral
 from adapters.tools import native_call_id, tool_format, tool_grammar, tool_plan
 from engine import Engine, EngineConfig
 from engine.sample.grammar import Grammar, GrammarCompiler
+from tests.adapters.test_tools import ANSWERS as HERMES_ANSWERS
 from tests.adapters.test_tools import HERMES as HERMES_TEMPLATE
 from tests.adapters.test_tools import HISTORY, WEATHER, accepts
 
@@ -227,10 +228,11 @@ def test_whole_answers(syntax, answer, content, calls):
 @settings(max_examples=120, deadline=None)
 @given(st.sampled_from([(LLAMA3, a) for a in LLAMA3_ANSWERS]
                        + [(mistral(None), a) for a in MISTRAL_ANSWERS]
-                       + [(HERMES, '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>')]),
+                       + [(HERMES, a) for a in HERMES_ANSWERS]),
        st.lists(st.integers(0, 200), max_size=8))
 @example((mistral(None), MISTRAL_ANSWERS[0]), [len(MISTRAL_ANSWERS[0]) - 1])  # "]" alone last
 def test_streams_carry_what_the_whole_answer_holds(case, cuts):
+    """However the answer is cut into deltas, the stream carries what the whole answer holds."""
     syntax, answer = case
     bounds = sorted({min(c, len(answer)) for c in cuts} | {0, len(answer)})
     parser, text, calls = ToolStreamParser(syntax), "", []
