@@ -283,7 +283,8 @@ OPTIONS: tuple[Option, ...] = (
            "--speculative-max-rows", "no step speculates while more rows than this decode"),
     Option("quantize", "engine", _choice(*QUANTIZE_MODES), ("option.quantize",),
            "--quantize",
-           "weight-only quantisation for decoding on the CPU: none | int8 | int4"),
+           "quantisation on the CPU: none | int8 | int4 (weight-only) | w8a8 (int8 weights and "
+           "activations for forwards of many rows; fp32 models on x86)"),
     Option("linear_kernel", "engine", _choice(*LINEAR_KERNELS), ("option.linear_kernel",),
            "--linear-kernel",
            "fp32 CPU models: auto (seqgate's 4/8-bit block kernels for forwards of few rows, "

@@ -10,7 +10,7 @@ from engine.errors import ConfigError
 STRATEGIES = ("greedy", "sample", "contrastive")
 POLICIES = ("fifo", "priority", "shortest")
 DTYPES = ("auto", "fp32", "fp16", "bf16")
-QUANTIZE_MODES = ("none", "int8", "int4")
+QUANTIZE_MODES = ("none", "int8", "int4", "w8a8")
 DECODE_ATTENTION = ("auto", "sdpa")
 LINEAR_KERNELS = ("auto", "torch")
 # Rows of an automatic max_rolling_batch_size where the KV budget does not set it (the CPU);
@@ -94,8 +94,9 @@ class EngineConfig:
     # No step speculates while more rows than this decode: a sub-batch keeps only the drafts
     # every one of its rows accepted, and a large batch already reads each weight for many.
     speculative_max_rows: int = 4
-    # Weight-only quantisation on the CPU: none | int8 | int4 (fp32 models: engine/model/lowbit.py;
-    # bf16 ones: engine/model/quantize.py).
+    # Quantisation on the CPU: none | int8 | int4 weight-only (fp32 models:
+    # engine/model/lowbit.py; bf16 ones: engine/model/quantize.py) | w8a8, int8 weights and
+    # activations for forwards of many rows (fp32 models on x86: engine/model/w8a8.py).
     quantize: str = "none"
     # Linear layers of fp32 CPU models: auto multiplies forwards of few rows through seqgate's
     # 4/8-bit block kernels (engine/model/lowbit.py) where the weights are exact blocks or

@@ -121,4 +121,12 @@ def _kernels(engine) -> dict | None:
     return {"decode_attention_layers": engine.decode_kernel_layers,
             "linear": {"mode": blocks.mode, "q4_layers": blocks.q4_layers,
                        "q8_layers": blocks.q8_layers, "max_rows": blocks.max_rows,
-                       "ms_per_pass_kernel_vs_torch": blocks.timings}}
+                       "ms_per_pass_kernel_vs_torch": blocks.timings},
+            "w8a8": _w8a8(getattr(engine, "int8_layers", None))}
+
+
+def _w8a8(report) -> dict | None:
+    if report is None or not report.layers:
+        return None
+    return {"layers": report.layers, "min_rows": report.min_rows,
+            "ms_per_pass_int8_vs_exact": report.timings}

@@ -58,7 +58,7 @@ class EngineCore:
         self.prepacked_layers = prepared.prepacked_layers
         self.lean_layers = prepared.lean_layers
         self.decode_kernel_layers = prepared.decode_kernel_layers
-        self.linear_blocks = prepared.lowbit  # which layers the low-bit kernel serves, up to what
+        self.linear_blocks, self.int8_layers = prepared.lowbit, prepared.w8a8  # paths and rows
         # Ranks in lock step cannot each undo a step alone: out of memory fails them all.
         self._lockstep = ranks is not None
         longest = min(max(config.token_budget, ALONE_TOKENS), self.max_model_len)

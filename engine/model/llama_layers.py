@@ -33,6 +33,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from engine.model.lowbit import BlockLinear
 from engine.model.prepack import PrepackedLinear
 from engine.model.quantize import PackedLinear
+from engine.model.w8a8 import W8A8Linear
 
 try:  # the architecture ships with every transformers 5.x; guarded for the import alone
     from transformers.activations import SiLUActivation
@@ -99,6 +100,9 @@ class _Stacked(NamedTuple):
 
 
 def _stack(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
+    if type(parts[0]) is W8A8Linear:
+        exact = _stack([p.exact for p in parts]) if _stackable([p.exact for p in parts]) else None
+        return None if exact is None else W8A8Linear.around(exact, parts[0])
     if type(parts[0]) is PackedLinear:
         return PackedLinear.stacked(parts)
     if type(parts[0]) is BlockLinear:
@@ -219,8 +223,8 @@ def fits(layer: torch.nn.Module) -> bool:
     return (type(attn) is _llama.LlamaAttention and type(mlp) is _llama.LlamaMLP
             and all(type(n) is _llama.LlamaRMSNorm
                     for n in (layer.input_layernorm, layer.post_attention_layernorm))
-            and all(type(m) in (torch.nn.Linear, PackedLinear, PrepackedLinear, BlockLinear)
-                    for m in linears)
+            and all(type(m) in (torch.nn.Linear, PackedLinear, PrepackedLinear, BlockLinear,
+                                W8A8Linear) for m in linears)
             and type(mlp.act_fn) in _SILU
             and not attn.training and not _hooked(layer))
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.blocks import Blocks, exact_blocks, rounded_blocks
+from engine.model.host_timing import best_of, cached
 
 log = logging.getLogger("seqgate.engine")
 
@@ -185,24 +185,13 @@ def _max_rows(layers: list[BlockLinear], cache: Path | None,
               build_key: str) -> tuple[int, dict | None]:
     """The measured row count (from the cache where this machine measured it before)."""
     path = None if cache is None else Path(cache) / "kernels" / "lowbit-rows.json"
-    key = _signature(layers, build_key)
-    try:
-        known = json.loads(path.read_text()) if path is not None and path.is_file() else {}
-    except (OSError, ValueError):
-        known = {}
-    if key in known:
-        return known[key]["max_rows"], known[key]["timings"]
-    max_rows, timings = choose_max_rows(layers)
-    if path is not None:
-        known[key] = {"max_rows": max_rows, "timings": timings}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{time.monotonic_ns()}.tmp")
-            tmp.write_text(json.dumps(known, indent=1))
-            tmp.replace(path)
-        except OSError as exc:
-            log.warning("could not cache the low-bit kernel's row choice at %s: %s", path, exc)
-    return max_rows, timings
+
+    def measure() -> dict:
+        max_rows, timings = choose_max_rows(layers)
+        return {"max_rows": max_rows, "timings": timings}
+
+    entry = cached(path, _signature(layers, build_key), measure)
+    return entry["max_rows"], entry["timings"]
 
 
 def choose_max_rows(layers: list[BlockLinear], rows: tuple[int, ...] = CANDIDATE_ROWS
@@ -219,9 +208,9 @@ def choose_max_rows(layers: list[BlockLinear], rows: tuple[int, ...] = CANDIDATE
             for layer in layers:
                 if layer.in_features not in inputs or inputs[layer.in_features].shape[0] != n:
                     inputs[layer.in_features] = torch.randn(n, layer.in_features)
-            kernel = _best_of(2, lambda: [b.kernel_product(inputs[b.in_features])
+            kernel = best_of(2, lambda: [b.kernel_product(inputs[b.in_features])
                                           for b in layers])
-            dense = _best_of(2, lambda: [F.linear(inputs[b.in_features], b.weight)
+            dense = best_of(2, lambda: [F.linear(inputs[b.in_features], b.weight)
                                          for b in layers])
             timings[str(n)] = [round(kernel * 1e3, 3), round(dense * 1e3, 3)]
             if kernel < dense:
@@ -231,16 +220,6 @@ def choose_max_rows(layers: list[BlockLinear], rows: tuple[int, ...] = CANDIDATE
                 if losses == 2:
                     break
     return best, timings
-
-
-def _best_of(times: int, work) -> float:
-    work()  # once to warm up
-    best = float("inf")
-    for _ in range(times):
-        start = time.perf_counter()
-        work()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 @contextmanager

@@ -18,7 +18,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kernels import native
-from engine.model import llama_layers, lowbit, packed_forward, prepack
+from engine.model import llama_layers, lowbit, packed_forward, prepack, w8a8
 from engine.model.loader import LoadedModel, cache_dir
 from engine.model.quantize import quantize_model
 
@@ -34,6 +34,7 @@ class Prepared:
     lean_layers: int
     decode_kernel_layers: int
     lowbit: lowbit.LowbitReport = field(default_factory=lowbit.LowbitReport)
+    w8a8: w8a8.W8A8Report = field(default_factory=w8a8.W8A8Report)
 
 
 def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
@@ -49,13 +50,16 @@ def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
         ops = native.kernels(cache_dir(config))
     blocks = lowbit.LowbitReport()
     if cpu and single and fp32 and ops is not None and config.linear_kernel == "auto":
-        blocks = lowbit.install(model, ops, config.quantize, cache_dir(config),
-                                native.build_key(), config.threads)
+        exact = "none" if config.quantize == "w8a8" else config.quantize
+        blocks = lowbit.install(model, ops, exact, cache_dir(config), native.build_key(),
+                                config.threads)
         log.info("linear layers: %d in Q4_1 blocks, %d in Q8_0 (%s, %.1f MiB), the kernel "
                  "for forwards of at most %d rows; ms per pass over all of them at n rows, "
                  "kernel vs PyTorch: %s", blocks.q4_layers, blocks.q8_layers, blocks.mode,
                  blocks.block_bytes / 2**20, blocks.max_rows, blocks.timings)
-    if config.quantize != "none" and blocks.mode == "off":
+    int8 = _install_w8a8(loaded, config, fp32 and single) if config.quantize == "w8a8" else \
+        w8a8.W8A8Report()
+    if config.quantize in ("int4", "int8") and blocks.mode == "off":
         if cpu:
             report = quantize_model(model, config.quantize)
             log.info("quantize=%s: %d layers in int4, %d in int8 (%.1f MiB packed)",
@@ -78,12 +82,24 @@ def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
     if kernel is not None and not kernel_layers:
         log.info("decode attention kernel: this model's head shape is not one it vectorises; "
                  "using PyTorch's SDPA")
-    return Prepared(packed, prepacked, lean, kernel_layers, blocks)
+    return Prepared(packed, prepacked, lean, kernel_layers, blocks, int8)
+
+
+def _install_w8a8(loaded: LoadedModel, config: EngineConfig, fits: bool) -> w8a8.W8A8Report:
+    if not (fits and loaded.device.type == "cpu" and w8a8.available()):
+        log.warning("quantize=w8a8 needs an fp32 model on an x86 CPU without tensor parallelism "
+                    "(--dtype fp32): ignored")
+        return w8a8.W8A8Report()
+    report = w8a8.install(loaded.model, cache_dir(config), native.build_key(), config.threads)
+    log.info("w8a8: %d layers multiply forwards of at least %d rows in int8; ms per pass over "
+             "them at n rows, int8 vs exact: %s", report.layers, report.min_rows, report.timings)
+    return report
 
 
 @contextmanager
 def original_model(model: torch.nn.Module) -> Iterator[None]:
     """Within the block the model computes as transformers' own does: its own decoder layers,
     linear layers on their fp32 weights (references in tests and checks)."""
-    with llama_layers.original_layers(model), lowbit.dense_products(model):
+    with llama_layers.original_layers(model), lowbit.dense_products(model), \
+            w8a8.exact_products(model):
         yield

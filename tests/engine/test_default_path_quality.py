@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LoadedModel, SamplingParams, load_model
+from engine.model import w8a8
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -35,9 +36,12 @@ TOP = 20  # the most top_logprobs a job may ask for
 # EPYC with AVX2 and no native bf16, 2 threads). bf16: 5x the KL, the lower top-1 less 0.05 (the
 # decode-attention kernel gave 0.932, SDPA 0.975). fp32 ('auto' on such a CPU) differs by
 # rounding alone, where 5x would bound noise: 1e-8 is still five orders under bf16's KL.
+# w8a8 (int8 activations, forced on every forward here, decode rows included): about 3x the
+# measured KL, its top-1 less 0.05.
 BOUNDS = {
     torch.bfloat16: (6.5e-3, 0.88, "mean KL 1.25e-3 to 1.30e-3, top-1 0.932 to 0.975"),
     torch.float32: (1e-8, 0.99, "mean KL 6.4e-12, top-1 1.0"),
+    "w8a8": (0.15, 0.84, "mean KL 0.044, top-1 0.893"),
 }
 
 
@@ -104,15 +108,25 @@ def compare(fp32: torch.Tensor, tokens: list[int], logprobs: list):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["bf16", "auto"])
-def test_default_path_next_tokens_match_fp32(dtype, smollm2, fp32_reference, make_engine):
+@pytest.mark.parametrize("dtype, quantize", [("bf16", "none"), ("auto", "none"),
+                                             ("fp32", "w8a8")])
+def test_default_path_next_tokens_match_fp32(dtype, quantize, smollm2, fp32_reference,
+                                             make_engine):
     loaded = load_model(EngineConfig(dtype=dtype))
     if dtype == "auto" and loaded.dtype == torch.bfloat16:
         pytest.skip("dtype=auto is bf16 on this host: the bf16 case covers it")
+    if quantize == "w8a8" and not w8a8.available():
+        pytest.skip("no FBGEMM in this PyTorch build")
     assert loaded.model is not smollm2.model  # the engine works on its own copy
     attention = smollm2.model.config._attn_implementation
-    eng = make_engine(loaded, dtype=dtype)
+    eng = make_engine(loaded, dtype=dtype, quantize=quantize)
     assert smollm2.model.config._attn_implementation == attention  # the fixture is untouched
+    if quantize == "w8a8":
+        # Every forward in int8, whatever row count the host chose to start it at.
+        forced = [m for m in loaded.model.modules() if isinstance(m, w8a8.W8A8Linear)]
+        assert forced
+        for m in forced:
+            m.min_rows = 1
 
     prompts = [chat_prompt(loaded.tokenizer, q) for q in QUESTIONS]
     handles = [eng.submit(ids, SamplingParams(strategy="greedy", max_new_tokens=NEW_TOKENS,
@@ -136,7 +150,7 @@ def test_default_path_next_tokens_match_fp32(dtype, smollm2, fp32_reference, mak
           f"max KL {max(kls):.3g}, top-1 {agreement:.3f}, mean |fp32 - engine| log-probability "
           f"of the chosen token {statistics.fmean(gaps):.3g}; layers {layers}")
 
-    kl_bound, top1_floor, measured = BOUNDS[loaded.dtype]
+    kl_bound, top1_floor, measured = BOUNDS["w8a8" if quantize == "w8a8" else loaded.dtype]
     assert mean_kl < kl_bound, (
         f"mean KL(fp32 || engine) over the top-{TOP} is {mean_kl:.3g}, over {kl_bound:.2g} "
         f"(measured for {loaded.dtype}: {measured})")

@@ -1,0 +1,45 @@
+"""Choices timed on the host at start and cached per machine: which product serves which row
+counts (engine/model/lowbit.py, engine/model/w8a8.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger("seqgate.engine")
+
+
+def best_of(times: int, work: Callable[[], object]) -> float:
+    """Seconds of the fastest of `times` runs of `work`, after one to warm up."""
+    work()
+    best = float("inf")
+    for _ in range(times):
+        start = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def cached(path: Path | None, key: str, measure: Callable[[], dict]) -> dict:
+    """The entry under `key` in the JSON file at `path`, measured and stored there if missing
+    (an unreadable file counts as empty; one that cannot be written is logged, not raised)."""
+    try:
+        known = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
+    entry = measure()
+    if path is not None:
+        known[key] = entry
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{time.monotonic_ns()}.tmp")
+            tmp.write_text(json.dumps(known, indent=1))
+            tmp.replace(path)
+        except OSError as exc:
+            log.warning("could not cache a timed choice at %s: %s", path, exc)
+    return entry

@@ -1,0 +1,124 @@
+"""int8 weights × int8 activations for forwards of many rows (`quantize=w8a8`,
+engine/model/w8a8.py): the product approximates the fp32 layer with per-row activation scales
+(a row keeps its resolution beside a much larger one), forwards below the measured row count
+take the exact path unchanged, the lean layers stack the int8 layers, and the engine installs
+it only where asked. Its end-to-end quality against fp32 is in test_default_path_quality."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from engine import EngineConfig, LoadedModel
+from engine.config import ConfigError
+from engine.model import w8a8
+from engine.model.prepare import original_model, prepare
+from engine.model.w8a8 import NEVER, W8A8Linear
+
+pytestmark = pytest.mark.skipif(not w8a8.available(), reason="no FBGEMM in this PyTorch build")
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Per row: |got - want| / |want| (L2)."""
+    return (got - want).norm(dim=-1) / want.norm(dim=-1)
+
+
+def _linear(rows_out: int = 96, cols: int = 128, bias: bool = True) -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(cols, rows_out, bias=bias)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_int8_product_approximates_the_layer(rows):
+    layer = _linear()
+    x = torch.randn(rows, layer.in_features)
+    got = W8A8Linear(layer, 0).int8_forward(x)
+    err = _relative_error(got, layer(x).detach())
+    # 8-bit activations and 7-bit weights: about 1% per row on Gaussian data.
+    assert err.max() < 0.03, err
+
+
+def test_each_row_keeps_its_own_scale_beside_a_much_larger_row():
+    layer = _linear(bias=False)
+    small = torch.randn(1, layer.in_features)
+    big = 1e4 * torch.randn(1, layer.in_features)
+    int8 = W8A8Linear(layer, 0)
+    alone = int8.int8_forward(small)
+    beside = int8.int8_forward(torch.cat([big, small]))[1:]
+    want = layer(small).detach()
+    assert _relative_error(beside, want).item() < 0.03
+    assert _relative_error(beside, alone).item() < 0.03
+    # Control: FBGEMM's own per-tensor scale gives the small row the big one's resolution.
+    plain = torch.ops.quantized.linear_dynamic(torch.cat([big, small]), int8.packed, False)[1:]
+    assert _relative_error(plain, want).item() > 0.5
+
+
+def test_forwards_below_min_rows_take_the_exact_path_unchanged():
+    layer = _linear()
+    int8 = W8A8Linear(layer, min_rows=8)
+    for rows in (1, 7):
+        x = torch.randn(2, rows, layer.in_features)[:1]  # rows counted over the leading dims
+        assert torch.equal(int8(x), layer(x))
+    x = torch.randn(1, 8, layer.in_features)
+    out = int8(x)
+    assert not torch.equal(out, layer(x))
+    assert torch.equal(out, int8.int8_forward(x.reshape(8, -1)).view(1, 8, -1))
+
+
+def test_choose_min_rows_picks_a_row_count_from_which_int8_always_wins(monkeypatch):
+    layers = [W8A8Linear(_linear(), 0)]
+    rows = (2, 4, 8, 16)
+    # Timed int8/exact pairs, in the order choose_min_rows measures them: int8 loses at 2,
+    # wins at 4, loses at 8 (noise), wins at 16: only from 16 on does it always win.
+    seconds = iter([3, 2, 1, 2, 3, 2, 1, 2])
+    monkeypatch.setattr(w8a8, "best_of", lambda times, work: next(seconds))
+    min_rows, timings = w8a8.choose_min_rows(layers, rows)
+    assert min_rows == 16 and list(timings) == ["2", "4", "8", "16"]
+    seconds = iter([2, 1] * len(rows))
+    monkeypatch.setattr(w8a8, "best_of", lambda times, work: next(seconds))
+    assert w8a8.choose_min_rows(layers, rows)[0] == NEVER
+
+
+def test_install_wraps_the_decoder_not_the_head_and_caches_the_choice(smollm2: LoadedModel,
+                                                                       tmp_path):
+    model = copy.deepcopy(smollm2.model).float()
+    report = w8a8.install(model, tmp_path, "test")
+    config = model.config
+    assert report.layers == 7 * config.num_hidden_layers
+    assert type(model.get_output_embeddings()) is not W8A8Linear
+    assert (tmp_path / "kernels" / "w8a8-rows.json").is_file()
+    again = w8a8.install(copy.deepcopy(smollm2.model).float(), tmp_path, "test")
+    assert (again.min_rows, again.timings) == (report.min_rows, report.timings)
+
+
+def test_prepare_installs_w8a8_under_the_lean_layers(smollm2: LoadedModel):
+    loaded = copy.copy(smollm2)
+    loaded.model = copy.deepcopy(smollm2.model).float()
+    prepared = prepare(loaded, EngineConfig(dtype="fp32", quantize="w8a8"))
+    assert prepared.w8a8.layers == 7 * loaded.model.config.num_hidden_layers
+    assert prepared.lean_layers == loaded.model.config.num_hidden_layers
+    stacked = vars(loaded.model.model.layers[0])["_lean_stacked"]
+    assert type(stacked.qkv) is W8A8Linear and type(stacked.gate_up) is W8A8Linear
+    assert stacked.qkv.min_rows == prepared.w8a8.min_rows
+    # The stack's int8 product is its parts' side by side (per-channel scales stack exactly).
+    attn = loaded.model.model.layers[0].self_attn
+    x = torch.randn(16, attn.q_proj.in_features)
+    parts = torch.cat([p.int8_forward(x) for p in (attn.q_proj, attn.k_proj, attn.v_proj)], -1)
+    torch.testing.assert_close(stacked.qkv.int8_forward(x), parts)
+    with original_model(loaded.model):  # references compute on the exact weights
+        assert attn.q_proj.min_rows == NEVER
+        assert torch.equal(attn.q_proj(x), attn.q_proj.exact(x))
+    assert attn.q_proj.min_rows == prepared.w8a8.min_rows
+
+
+def test_w8a8_is_a_quantize_mode_and_nothing_else_installs_it(smollm2: LoadedModel):
+    assert EngineConfig(quantize="w8a8").quantize == "w8a8"
+    with pytest.raises(ConfigError, match="quantize"):
+        EngineConfig(quantize="w4a4")
+    loaded = copy.copy(smollm2)
+    loaded.model = copy.deepcopy(smollm2.model).float()
+    assert prepare(loaded, EngineConfig(dtype="fp32")).w8a8.layers == 0
+    assert not any(isinstance(m, W8A8Linear) for m in loaded.model.modules())
+
