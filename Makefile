@@ -17,7 +17,9 @@ openapi-check:
 	$(PYTHON) -m openapi.generate --check
 	$(PYTHON) -m openapi.checks.validate
 
-# Serving benchmark: seqgate vs transformers serve (with and without continuous batching), the
+# Serving benchmark: seqgate (defaults, int4, w8a8) vs transformers serve (with and without
+# continuous batching), llama.cpp's server and OpenVINO GenAI (in-process, fp16/int8/int4 weights, in
+# its own .venv-openvino made by scripts/install_openvino.sh on first use), the
 # prompt-cache and splitting scenarios, speculative decoding on and off against llama.cpp plain
 # and with its n-gram speculation (ShareGPT and input-grounded rewriting), greedy agreement; writes bench/results/serving.json and
 # docs/benchmarks.md (+ docs/benchmarks/*.png), after the scheduler scenarios (bench.stall: long

@@ -64,6 +64,9 @@ class ServerSpec:
                     *self.extra_args]
         if self.kind == "app":
             return [sys.executable, "-m", "app", "serve", "--port", str(port), *self.extra_args]
+        if self.kind == "openvino":  # in-process, no port: bench/openvino_peer.py
+            return [".venv-openvino/bin/python", "-m", "bench.openvino_peer", "--weight-format",
+                    *self.extra_args]
         raise ValueError(f"unknown server kind {self.kind!r}")
 
     def request_model(self, model_dir: Path, served_name: str | None) -> str | None:
@@ -90,10 +93,18 @@ class ServerSpec:
 SEQGATE = ServerSpec("seqgate", "seqgate")
 # Weight-only int4 (engine/model/quantize.py): the row that compares with llama.cpp's Q4_1 weights.
 SEQGATE_INT4 = ServerSpec("seqgate-int4", "seqgate", ("--quantize", "int4"))
+# int8 weights and activations for forwards of many rows (engine/model/w8a8.py), fp32 elsewhere.
+SEQGATE_W8A8 = ServerSpec("seqgate-w8a8", "seqgate", ("--quantize", "w8a8", "--dtype", "fp32"))
 TF_SERVE = ServerSpec("tf-serve", "transformers")
 TF_SERVE_CB = ServerSpec("tf-serve-cb", "transformers", ("--continuous-batching",))
 LLAMA_CPP = ServerSpec("llama.cpp", "llamacpp")
-SWEEP_SERVERS = {s.label: s for s in (SEQGATE, SEQGATE_INT4, TF_SERVE, TF_SERVE_CB, LLAMA_CPP)}
+# OpenVINO GenAI in-process (bench/openvino_peer.py), the same weights exported by optimum-intel:
+# fp16 against seqgate's exact default, int8 and int4 against its quantised rows.
+OPENVINO = ServerSpec("openvino", "openvino", ("fp16",))
+OPENVINO_INT8 = ServerSpec("openvino-int8", "openvino", ("int8",))
+OPENVINO_INT4 = ServerSpec("openvino-int4", "openvino", ("int4",))
+SWEEP_SERVERS = {s.label: s for s in (SEQGATE, SEQGATE_INT4, SEQGATE_W8A8, TF_SERVE, TF_SERVE_CB,
+                                      LLAMA_CPP, OPENVINO, OPENVINO_INT8, OPENVINO_INT4)}
 # Speculative decoding on (seqgate's default) and off, against llama.cpp plain and with its own
 # n-gram speculation (bench.serving's `speculative` phase).
 SEQGATE_NO_SPEC = ServerSpec("seqgate-nospec", "seqgate", ("--num-speculative-tokens", "0"))

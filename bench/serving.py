@@ -40,15 +40,16 @@ import argparse
 import dataclasses
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
 import httpx
 from transformers import AutoTokenizer
 
-from bench import provenance
+from bench import openvino_peer, provenance
 from bench.agreement import compare
-from bench.figures import summarize
+from bench.figures import RequestResult, summarize
 from bench.harness import DOCS_DIR, RESULTS_DIR
 from bench.loadgen import run_closed_loop
 from bench.report import write_report
@@ -63,6 +64,8 @@ from bench.servers import (
     ServerProcess,
     ServerSpec,
     local_model_dir,
+    tree_peak_rss,
+    tree_rss,
 )
 from bench.workloads import (
     CHAT_PATH,
@@ -193,6 +196,8 @@ class Bench:
     def measure(self, spec: ServerSpec, path: str, bodies: list[dict], concurrency: int,
                 **tags) -> dict:
         """Start `spec`, warm it, run `bodies` in a closed loop, read memory and metrics, stop."""
+        if spec.kind == "openvino":
+            return self.measure_openvino(spec, bodies, concurrency, **tags)
         log = self.logs / f"{spec.label.replace(' ', '_').replace(',', '')}.log"
         with ServerProcess(spec, self.model_dir, log) as server:
             self._warm_up(server)
@@ -222,6 +227,38 @@ class Bench:
               f"{cpu.other_cores:.2f} cores", flush=True)
         return run
 
+    def measure_openvino(self, spec: ServerSpec, bodies: list[dict], concurrency: int,
+                         **tags) -> dict:
+        """measure() for OpenVINO GenAI, driven in its own process without HTTP: the same
+        prompts through the same chat template, as token ids, with the same budgets."""
+        requests = [{"prompt_ids": self.tokenizer.apply_chat_template(
+                        b["messages"], add_generation_prompt=True, tokenize=True,
+                        return_dict=True)["input_ids"], "max_tokens": b["max_tokens"]}
+                    for b in bodies]
+        ov_dir = openvino_peer.export(self.model_dir, spec.extra_args[0])
+        work = self.logs / spec.label
+        with openvino_peer.OpenVINORun(ov_dir, requests, concurrency, work) as driver:
+            idle_rss = tree_rss(driver.pid)
+            with RssSampler(driver.pid) as sampler, CpuAccount(driver.pid) as cpu:
+                out = driver.run(self.args.request_timeout * len(bodies))
+            peak = tree_peak_rss(driver.pid) if driver.proc.poll() is None else sampler.peak
+        results = [RequestResult(**r) for r in out["results"]]
+        run = {**tags, "server": spec.label, "argv": spec.argv(self.model_dir, 0),
+               "in_process": True, "concurrency": concurrency,
+               "figures": summarize(results, out["wall_seconds"]),
+               "memory": {"peak_rss": peak, "idle_rss": idle_rss, "run_peak_rss": sampler.peak,
+                          "run_growth": sampler.peak - idle_rss},
+               "engine": None, "cpu": cpu.to_json(), "server_info": None,
+               "start_seconds": driver.start_seconds,
+               "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+               "requests": [r.to_json() for r in results]}
+        f = run["figures"]
+        print(f"  {spec.label + ' (in-process)':<44} c={concurrency:<3} {f['completed']}/"
+              f"{f['requests']} ok, {f['output_tokens_per_s']:7.2f} tok/s, TTFT p50 "
+              f"{_s(f['ttft_p50'])}, TPOT p50 {_s(f['tpot_p50'])}, {f['wall_seconds']:.1f}s "
+              f"(+{driver.start_seconds:.1f}s start)", flush=True)
+        return run
+
     def record(self, phase: str, spec: ServerSpec, path: str, bodies: list[dict],
                concurrency: int, **tags) -> None:
         """measure() into data[phase]; a server that fails to start or warm up is noted in
@@ -229,7 +266,8 @@ class Bench:
         try:
             self.data[phase].append(self.measure(spec, path, bodies, concurrency, phase=phase,
                                                  **tags))
-        except (ServerError, WarmUpError, httpx.HTTPError) as exc:
+        except (ServerError, WarmUpError, httpx.HTTPError, OSError, RuntimeError,
+                subprocess.SubprocessError) as exc:
             self.fail(phase, spec, exc, concurrency=concurrency, **tags)
         self.save()
 
@@ -296,7 +334,8 @@ class Bench:
         ours = [self.spec(SEQGATE, *(("--dtype", d) if d != "auto" else ()),
                           label="seqgate" if d == "auto" else f"seqgate --dtype {d}")
                 for d in self.args.agreement_dtypes.split(",")]
-        peers = [s for s in self.sweep_servers() if s.kind != "seqgate"]
+        # OpenVINO's driver returns timings, not texts: it is in the sweep only.
+        peers = [s for s in self.sweep_servers() if s.kind not in ("seqgate", "openvino")]
         outputs, section = {}, self.data["agreement"]
         section.update(outputs={}, dtypes={}, comparisons={})
         for spec in ours + peers:

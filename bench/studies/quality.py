@@ -1,7 +1,7 @@
 """How far each weight format moves the model's next-token distributions from fp32's.
 
     python -m bench.studies.quality [--num-answers 200] [--max-answer 64] [--max-prompt 256]
-                                    [--variants bf16,int4,int8,torch-int4] [--quick]
+                                    [--variants bf16,int4,int8,torch-int4,w8a8] [--quick]
 
 ShareGPT first turns with their recorded replies (chat template, reply truncated to
 --max-answer tokens), teacher-forced through the fp32 model and through each variant, one
@@ -14,6 +14,9 @@ whether the two argmaxes agree, and the variant's negative log-likelihood of the
   int8        `--quantize int8` on an fp32 model: every layer rounded to Q8_0 blocks;
   torch-int4  `--quantize int4` on a bf16 model's path, computed in fp32: PyTorch's int4 format
               (engine/model/quantize.py), layers int4 with groups of 32, head int8 per row.
+  w8a8        `--quantize w8a8`: the decoder's layers in int8 weights (per channel) times int8
+              activations (per token) on every forward (the engine uses it only from a row
+              count measured on the host); the head exact (engine/model/w8a8.py).
 The fp32 weights of the embedded model are themselves Q4_1/Q8_0 blocks, so the default fp32
 path (which reads those blocks exactly) is the reference itself. Writes
 bench/results/quality.json.
@@ -31,10 +34,11 @@ from bench.harness import markdown_table
 from bench.provenance import cpu_isa
 from bench.sharegpt import shuffled_exchanges
 from bench.studies.common import base_parser, env_info, load, write_json
+from engine.model import w8a8
 from engine.model.blocks import rounded_blocks
 from engine.model.quantize import quantize_model
 
-VARIANTS = ("bf16", "int4", "int8", "torch-int4")
+VARIANTS = ("bf16", "int4", "int8", "torch-int4", "w8a8")
 
 
 def _rounded(model: torch.nn.Module, layers: str) -> torch.nn.Module:
@@ -60,6 +64,13 @@ def variant(model: torch.nn.Module, name: str) -> torch.nn.Module:
     if name == "torch-int4":
         out = copy.deepcopy(model)
         quantize_model(out, "int4")
+        return out
+    if name == "w8a8":
+        out = copy.deepcopy(model)
+        w8a8.install(out, None)
+        for layer in out.modules():
+            if isinstance(layer, w8a8.W8A8Linear):
+                layer.min_rows = 0
         return out
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(VARIANTS)}")
 
