@@ -72,7 +72,8 @@ _library: Path | None = None  # the build loaded in this process
 class Native:
     """The loaded library's operators: `decode_attention(query, key, value, mask, scale)` (the
     attention, or None for a call it does not take: then SDPA), `q4_linear(x, q, d, m)`,
-    `q8_linear(x, q, d)` (engine.model.lowbit), `instantiated(dtype, head_dim, groups)` and
+    `q8_linear(x, q, d)`, `h16_linear(x, w)` (engine.model.lowbit), `instantiated(dtype,
+    head_dim, groups)` and
     `instruction_set()`."""
 
     def __init__(self, library: Path):
@@ -81,6 +82,7 @@ class Native:
         self.decode_attention = ops.decode_attention.default
         self.q4_linear = ops.q4_linear.default
         self.q8_linear = ops.q8_linear.default
+        self.h16_linear = ops.h16_linear.default
         self.instantiated = ops.instantiated.default
         self.instruction_set = ops.instruction_set.default
 

@@ -1,7 +1,8 @@
 """Weights in llama.cpp's Q4_1 and Q8_0 blocks (32 input columns of one output row each, fp16
-constants): finding them exactly in fp32 weights, rounding weights to them, and the fp32 weights
-they hold. The kernels that multiply by them are engine/kernels/csrc/lowbit_linear.cpp; the
-layers that use them, engine.model.lowbit."""
+constants), or in 16 bits (bf16, fp16) where fp32 weights are such values: finding them exactly
+in fp32 weights, rounding weights to the blocks, and the fp32 weights they hold. The kernels that
+multiply by them are engine/kernels/csrc/lowbit_linear.cpp; the layers that use them,
+engine.model.lowbit."""
 
 from __future__ import annotations
 
@@ -15,15 +16,18 @@ BLOCK = 32  # input columns per block
 @dataclass(frozen=True)
 class Blocks:
     """A weight [out, in] in blocks: q (q4: [out, in / 2] uint8, two columns a byte; q8:
-    [out, in] int8), d and m ([out, in / 32] float16; m None for q8)."""
+    [out, in] int8; bf16 / f16: [out, in] bfloat16 / float16), d and m ([out, in / 32] float16;
+    m None for q8, both None for bf16 and f16)."""
 
     kind: str
     q: torch.Tensor
-    d: torch.Tensor
+    d: torch.Tensor | None
     m: torch.Tensor | None
 
     def dense(self) -> torch.Tensor:
         """The fp32 weights the blocks hold, rounded as the kernel rebuilds them."""
+        if self.d is None:
+            return self.q.float()
         d = self.d.float()[..., None]
         if self.kind == "q8":
             q = self.q.float().view(*self.d.shape, BLOCK)
@@ -63,11 +67,21 @@ def _q8(weight: torch.Tensor, exact: bool) -> Blocks | None:
     return Blocks("q8", q.to(torch.int8).reshape(rows, cols).contiguous(), d.contiguous(), None)
 
 
+def _h16(weight: torch.Tensor, dtype: torch.dtype) -> Blocks | None:
+    w = weight.detach()
+    half = w.to(dtype)
+    if not torch.equal(half.float(), w):
+        return None
+    return Blocks("bf16" if dtype == torch.bfloat16 else "f16", half.contiguous(), None, None)
+
+
 def exact_blocks(weight: torch.Tensor) -> Blocks | None:
-    """Q4_1 or Q8_0 blocks holding exactly these fp32 weights; None where neither does."""
+    """Q4_1 or Q8_0 blocks holding exactly these fp32 weights, else their 16-bit values (bf16,
+    then fp16) where they are such values; None where none does."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
         return None
-    return _q4(weight, exact=True) or _q8(weight, exact=True)
+    return (_q4(weight, exact=True) or _q8(weight, exact=True) or _h16(weight, torch.bfloat16)
+            or _h16(weight, torch.float16))
 
 
 def rounded_blocks(weight: torch.Tensor, kind: str) -> Blocks | None:

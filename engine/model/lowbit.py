@@ -1,6 +1,6 @@
-"""Linear layers over weights in 4- and 8-bit blocks, multiplied by our own CPU kernels in
-forwards of few rows (engine/kernels/csrc/lowbit_linear.cpp), by PyTorch on fp32 weights in
-larger ones.
+"""Linear layers over weights in 4- and 8-bit blocks (or 16-bit values), multiplied by our own
+CPU kernels in forwards of few rows (engine/kernels/csrc/lowbit_linear.cpp), by PyTorch on fp32
+weights in larger ones.
 
 A decode step at low concurrency reads every weight once and is bound by memory bandwidth: on
 an AVX2 CPU without native bf16 the engine runs fp32, and SmolLM2-135M's linear layers read
@@ -14,6 +14,8 @@ A layer gets blocks in one of two ways:
   each weight in fp32 as the de-quantiser did, so the products use the fp32 model's very
   weights; only the order of each dot product's additions differs, as between any two matrix
   product implementations.
+  A model published in bf16 or fp16 and loaded in fp32 holds weights that are such values:
+  they are kept in those 16 bits (half fp32's bytes) and widened exactly in the kernel.
 - by rounding (`quantize=int4` or `int8` on an fp32 model): the layers' weights are rounded to
   Q4_1 (the output head to Q8_0, as llama.cpp's files keep it) or to Q8_0, and both paths
   compute with the rounded weights.
@@ -82,15 +84,19 @@ class BlockLinear(torch.nn.Module):
         if first.bias is not None:
             plain.bias = torch.nn.Parameter(torch.cat([p.bias for p in parts]),
                                             requires_grad=False)
-        blocks = Blocks(first.kind, torch.cat([p.q for p in parts]),
-                        torch.cat([p.d for p in parts]),
-                        None if first.m is None else torch.cat([p.m for p in parts]))
+        def cat(name: str) -> torch.Tensor | None:
+            return None if getattr(first, name) is None else torch.cat([getattr(p, name)
+                                                                         for p in parts])
+
+        blocks = Blocks(first.kind, cat("q"), cat("d"), cat("m"))
         layer = cls(plain, blocks, first.ops, first.max_rows)
         sizes = [p.out_features for p in parts]
+
+        def split(t: torch.Tensor | None) -> list:
+            return [None] * len(parts) if t is None else t.split(sizes)
+
         for p, w, q, d, m in zip(parts, plain.weight.split(sizes), blocks.q.split(sizes),
-                                 blocks.d.split(sizes),
-                                 blocks.m.split(sizes) if blocks.m is not None
-                                 else [None] * len(parts)):
+                                 split(blocks.d), split(blocks.m)):
             p.weight = torch.nn.Parameter(w, requires_grad=False)
             p.q, p.d, p.m = q, d, m
         return layer
@@ -99,7 +105,9 @@ class BlockLinear(torch.nn.Module):
         """`flat` [rows, in_features] (fp32, rows contiguous) times the weights, no bias."""
         if self.kind == "q4":
             return self.ops.q4_linear(flat, self.q, self.d, self.m)
-        return self.ops.q8_linear(flat, self.q, self.d)
+        if self.kind == "q8":
+            return self.ops.q8_linear(flat, self.q, self.d)
+        return self.ops.h16_linear(flat, self.q)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -124,6 +132,7 @@ class LowbitReport:
     block_bytes: int = 0
     max_rows: int = 0
     timings: dict | None = None
+    h16_layers: int = 0  # bf16 or fp16 values
 
 
 def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
@@ -173,7 +182,7 @@ def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
         sum(b.kind == "q4" for b in layers), sum(b.kind == "q8" for b in layers),
         quantize if any(b.rounded for b in layers) else "exact",
         sum(t.numel() * t.element_size() for b in layers for t in (b.q, b.d, b.m)
-            if t is not None), max_rows, timings)
+            if t is not None), max_rows, timings, sum(b.kind in ("bf16", "f16") for b in layers))
 
 
 def _signature(layers: list[BlockLinear], build_key: str) -> str:

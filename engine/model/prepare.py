@@ -53,10 +53,11 @@ def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
         exact = "none" if config.quantize == "w8a8" else config.quantize
         blocks = lowbit.install(model, ops, exact, cache_dir(config), native.build_key(),
                                 config.threads)
-        log.info("linear layers: %d in Q4_1 blocks, %d in Q8_0 (%s, %.1f MiB), the kernel "
-                 "for forwards of at most %d rows; ms per pass over all of them at n rows, "
-                 "kernel vs PyTorch: %s", blocks.q4_layers, blocks.q8_layers, blocks.mode,
-                 blocks.block_bytes / 2**20, blocks.max_rows, blocks.timings)
+        log.info("linear layers: %d in Q4_1 blocks, %d in Q8_0, %d in 16 bits (%s, %.1f MiB), "
+                 "the kernel for forwards of at most %d rows; ms per pass over all of them at n "
+                 "rows, kernel vs PyTorch: %s", blocks.q4_layers, blocks.q8_layers,
+                 blocks.h16_layers, blocks.mode, blocks.block_bytes / 2**20, blocks.max_rows,
+                 blocks.timings)
     int8 = _install_w8a8(loaded, config, fp32 and single) if config.quantize == "w8a8" else \
         w8a8.W8A8Report()
     if config.quantize in ("int4", "int8") and blocks.mode == "off":

@@ -50,12 +50,26 @@ def _q8_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return (q * d).flatten(1)
 
 
+def _h16_weight(dtype: torch.dtype):
+    """fp32 weights that are `dtype` values, as a bf16 or fp16 model loaded in fp32 holds."""
+    def make(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randn(rows, cols, generator=g) * 0.05).to(dtype).float()
+    return make
+
+
+WEIGHTS = {"q4": _q4_weight, "q8": _q8_weight, "bf16": _h16_weight(torch.bfloat16),
+           "f16": _h16_weight(torch.float16)}
+
+
 def test_exact_blocks_are_found_only_where_the_weights_are_blocks():
-    for make, kind in ((_q4_weight, "q4"), (_q8_weight, "q8")):
+    for kind, make in WEIGHTS.items():  # fp16 values are bf16 ones only by chance
         weight = make(48, 4 * BLOCK)
         blocks = exact_blocks(weight)
         assert blocks is not None and blocks.kind == kind
         assert torch.equal(blocks.dense(), weight)  # bit for bit
+    assert exact_blocks(_h16_weight(torch.bfloat16)(48, 4 * BLOCK)).q.dtype == torch.bfloat16
+    assert exact_blocks(_h16_weight(torch.float16)(48, 4 * BLOCK)).q.dtype == torch.float16
     noisy = _q4_weight(48, 4 * BLOCK)
     noisy[3, 5] += 1e-4  # one weight off the grid: the layer has no exact blocks
     assert exact_blocks(noisy) is None
@@ -76,10 +90,10 @@ def test_rounded_blocks_stay_close_and_refuse_what_they_cannot_hold():
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("kind", list(WEIGHTS))
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 7, 8, 9, 15, 16, 17, 33])
 def test_the_kernel_computes_the_layer_of_the_blocks_weights(ops, kind, rows):
-    weight = (_q4_weight if kind == "q4" else _q8_weight)(40, 3 * BLOCK, seed=rows)
+    weight = WEIGHTS[kind](40, 3 * BLOCK, seed=rows)
     linear = torch.nn.Linear(3 * BLOCK, 40, bias=True)
     linear.weight = torch.nn.Parameter(weight, requires_grad=False)
     layer = BlockLinear(linear, exact_blocks(weight), ops, max_rows=64)
@@ -101,13 +115,18 @@ def test_the_kernel_refuses_what_it_does_not_take(ops):
         ops.q4_linear(torch.randn(2, 2 * BLOCK - 1), blocks.q, blocks.d, blocks.m)
     with pytest.raises(RuntimeError, match="weights"):
         ops.q4_linear(torch.randn(2, 4 * BLOCK), blocks.q, blocks.d, blocks.m)
+    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
+        ops.h16_linear(torch.randn(2, 2 * BLOCK), torch.randn(16, 2 * BLOCK))
+    with pytest.raises(RuntimeError, match="weights"):
+        ops.h16_linear(torch.randn(2, 4 * BLOCK), torch.randn(16, 2 * BLOCK).bfloat16())
 
 
 @needs_kernel
-def test_stacked_layers_compute_their_parts_side_by_side(ops):
+@pytest.mark.parametrize("kind", ["q4", "bf16"])
+def test_stacked_layers_compute_their_parts_side_by_side(ops, kind):
     parts = []
     for i, rows in enumerate((24, 8, 8)):
-        w = _q4_weight(rows, 2 * BLOCK, seed=i)
+        w = WEIGHTS[kind](rows, 2 * BLOCK, seed=i)
         lin = torch.nn.Linear(2 * BLOCK, rows, bias=False)
         lin.weight = torch.nn.Parameter(w, requires_grad=False)
         parts.append(BlockLinear(lin, exact_blocks(w), ops, max_rows=8))
@@ -116,7 +135,8 @@ def test_stacked_layers_compute_their_parts_side_by_side(ops):
     stacked = BlockLinear.stacked(parts)
     assert torch.equal(stacked(x), want)
     assert all(torch.equal(p(x), w) for p, w in zip(parts, want.split([24, 8, 8], dim=-1)))
-    assert parts[1].q.data_ptr() == stacked.q.data_ptr() + 24 * stacked.q.stride(0)  # views
+    row = stacked.q.stride(0) * stacked.q.element_size()
+    assert parts[1].q.data_ptr() == stacked.q.data_ptr() + 24 * row  # views
 
 
 def test_the_row_choice_is_measured_once_and_cached(tmp_path, monkeypatch):
@@ -190,17 +210,26 @@ def test_the_embedded_model_is_q4_1_with_a_q8_0_head(smollm2):
 
 
 @needs_kernel
-@pytest.mark.parametrize("quantize", ["none", "int4"])
+@pytest.mark.parametrize("quantize", ["none", "int4", "bf16-values"])
 def test_greedy_with_blocks_equals_generate_alone_and_batched(smollm2, make_engine, quantize):
     """The anchor with the kernel serving every decode forward (max_rows forced above the
     batch): exact blocks against generate on the fp32 model, rounded ones against generate on
-    the rounded model; one job at a time and a rolling batch of 5."""
+    the rounded model, and 16-bit values (the model's weights rounded to bf16 beforehand, as a
+    bf16 model loaded in fp32 holds them) against generate on that model; one job at a time
+    and a rolling batch of 5."""
     if smollm2.dtype != torch.float32:
         pytest.skip("the blocks serve fp32 models")
     loaded = _fresh(smollm2)
-    eng = make_engine(loaded, quantize=quantize, prompt_cache_bytes=0)
+    if quantize == "bf16-values":
+        with torch.no_grad():
+            for p in loaded.model.parameters():
+                p.copy_(p.bfloat16().float())
+    eng = make_engine(loaded, quantize="none" if quantize == "bf16-values" else quantize,
+                      prompt_cache_bytes=0)
     layers = [m for m in loaded.model.modules() if isinstance(m, BlockLinear)]
-    assert layers and all(m.kind == ("q8" if m is layers[-1] else "q4") for m in layers[-2:])
+    kinds = ("bf16", "bf16") if quantize == "bf16-values" else ("q4", "q8")
+    assert layers and all(m.kind == (kinds[1] if m is layers[-1] else kinds[0])
+                          for m in layers[-2:])
     stacks = [vars(layer)["_lean_stacked"] for layer in loaded.model.model.layers]
     assert all(isinstance(s.qkv, BlockLinear) for s in stacks)
     for m in [*layers, *(s.qkv for s in stacks), *(s.gate_up for s in stacks)]:

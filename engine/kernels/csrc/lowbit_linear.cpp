@@ -1,4 +1,4 @@
-// Linear layers over weights stored in 4 or 8 bits, for forwards of a few rows, on the CPU.
+// Linear layers over weights stored in 4, 8 or 16 bits, for forwards of a few rows, on the CPU.
 //
 // A decode step at low concurrency reads every weight once and does little arithmetic with
 // each, so its time is the bytes it reads. These products read weights in two block formats of
@@ -8,17 +8,20 @@
 // They are llama.cpp's Q4_1 and Q8_0, the formats the embedded model ships in: each weight is
 // rebuilt with one fused multiply-add (q * d is exact in fp32, so it rounds once, as the
 // de-quantiser that produced the fp32 model did) and multiplied in fp32, so for such a model the
-// products use exactly the fp32 model's weights at a fifth of their bytes. Each output element
-// is summed in its own order (per-lane partial sums, then across lanes), as any other matrix
-// product's blocking does.
+// products use exactly the fp32 model's weights at a fifth of their bytes. Two more formats hold
+// one weight in 16 bits, bf16 or fp16, for fp32 models whose weights are such values (a model
+// published in bf16 or fp16 and loaded in fp32): widening them to fp32 is exact, so the products
+// use the fp32 weights at half their bytes. Each output element is summed in its own order
+// (per-lane partial sums, then across lanes), as any other matrix product's blocking does.
 //
 // Up to 15 rows, each output row's blocks are rebuilt in registers and dotted with every input
 // row (bound by the weights' bytes); from 16 rows on, a tile of output rows is rebuilt into fp32
 // once and multiplied as a matrix product (bound by the multiply-adds).
 //
 // Written over ATen's Vectorized<float>; the weights' unpacking is in intrinsics for AVX2 and
-// AVX512, else a scalar loop. Registered as torch.ops.seqgate.q4_linear / q8_linear (the
-// library is built by engine/kernels/native.py); checked in tests/engine/test_lowbit.py.
+// AVX512, else a scalar loop. Registered as torch.ops.seqgate.q4_linear / q8_linear /
+// h16_linear (the library is built by engine/kernels/native.py); checked in
+// tests/engine/test_lowbit.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,6 +33,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "vec.h"
@@ -42,6 +46,8 @@ constexpr int kPer = kBlock / kLanes;      // vectors per block
 constexpr int kMaxRows = 8;                // input rows one pass over the weights serves
 constexpr int64_t kTile = 32;              // output rows whose weights one pass keeps cached
 constexpr int64_t kManyRows = 16;          // from this many rows on: `many_rows`
+
+enum class Kind { Q4, Q8, BF16, F16 };
 
 // A block's 32 q values as floats, kPer vectors.
 inline void unpack_q4(const uint8_t* p, Vecs<kPer>& q) {
@@ -85,37 +91,79 @@ inline void unpack_q8(const int8_t* p, Vecs<kPer>& q) {
 #endif
 }
 
+// 32 bf16 or fp16 weights as floats, kPer vectors (exact: both widen to fp32 without rounding).
+template <Kind K>
+inline void unpack_h16(const uint16_t* p, Vecs<kPer>& q) {
+#if defined(CPU_CAPABILITY_AVX512)
+  for (int k = 0; k < 2; ++k) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * k));
+    if constexpr (K == Kind::BF16)
+      q[k] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    else
+      q[k] = _mm512_cvtph_ps(h);
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  for (int k = 0; k < 4; ++k) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * k));
+    if constexpr (K == Kind::BF16)
+      q[k] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    else
+      q[k] = _mm256_cvtph_ps(h);
+  }
+#else
+  alignas(64) float f[kBlock];
+  for (int j = 0; j < kBlock; ++j) {
+    if constexpr (K == Kind::BF16) {
+      const uint32_t bits = static_cast<uint32_t>(p[j]) << 16;
+      std::memcpy(f + j, &bits, sizeof bits);
+    } else {
+      at::Half h;
+      std::memcpy(&h, p + j, sizeof h);
+      f[j] = static_cast<float>(h);
+    }
+  }
+  for (int k = 0; k < kPer; ++k) q[k] = Vec::loadu(f + k * kLanes);
+#endif
+}
+
 struct Weights {
   const uint8_t* q;     // [out, blocks * bytes per block]
-  const at::Half* d;    // [out, blocks]
+  const at::Half* d;    // [out, blocks], q4 and q8 only
   const at::Half* m;    // [out, blocks], q4 only
   int64_t blocks, row_bytes;
 };
 
+// Block b of output row o as floats.
+template <Kind K>
+inline void weights_of(const Weights& w, int64_t o, int64_t b, Vecs<kPer>& wv) {
+  const uint8_t* qrow = w.q + o * w.row_bytes;
+  if constexpr (K == Kind::Q4) {
+    unpack_q4(qrow + b * (kBlock / 2), wv);
+    const Vec d(static_cast<float>(w.d[o * w.blocks + b]));
+    const Vec m(static_cast<float>(w.m[o * w.blocks + b]));
+    for (int k = 0; k < kPer; ++k) wv[k] = at::vec::fmadd(wv[k], d, m);
+  } else if constexpr (K == Kind::Q8) {
+    unpack_q8(reinterpret_cast<const int8_t*>(qrow) + b * kBlock, wv);
+    const Vec d(static_cast<float>(w.d[o * w.blocks + b]));
+    for (int k = 0; k < kPer; ++k) wv[k] = wv[k] * d;
+  } else {
+    unpack_h16<K>(reinterpret_cast<const uint16_t*>(qrow) + b * kBlock, wv);
+  }
+}
+
 // y[r, o] for R input rows and output rows [begin, end): each block's weights are rebuilt once
 // and serve all R rows. One or two rows get a partial sum per vector of the block (enough
 // independent sums to keep the multiply-add units busy); more rows get one each.
-template <bool Q4, int R>
+template <Kind K, int R>
 void rows(const Weights& w, const float* x, int64_t ldx, float* y, int64_t ldy,
           int64_t begin, int64_t end) {
   constexpr int A = R <= 2 ? kPer : 1;
   for (int64_t o = begin; o < end; ++o) {
     Vecs<R * A> acc;
     for (int i = 0; i < R * A; ++i) acc[i] = Vec(0.f);
-    const uint8_t* qrow = w.q + o * w.row_bytes;
-    const at::Half* drow = w.d + o * w.blocks;
-    const at::Half* mrow = Q4 ? w.m + o * w.blocks : nullptr;
     for (int64_t b = 0; b < w.blocks; ++b) {
       Vecs<kPer> wv;
-      const Vec d(static_cast<float>(drow[b]));
-      if constexpr (Q4) {
-        unpack_q4(qrow + b * (kBlock / 2), wv);
-        const Vec m(static_cast<float>(mrow[b]));
-        for (int k = 0; k < kPer; ++k) wv[k] = at::vec::fmadd(wv[k], d, m);
-      } else {
-        unpack_q8(reinterpret_cast<const int8_t*>(qrow) + b * kBlock, wv);
-        for (int k = 0; k < kPer; ++k) wv[k] = wv[k] * d;
-      }
+      weights_of<K>(w, o, b, wv);
       const float* xb = x + b * kBlock;
       for (int r = 0; r < R; ++r)
         for (int k = 0; k < kPer; ++k)
@@ -131,18 +179,18 @@ void rows(const Weights& w, const float* x, int64_t ldx, float* y, int64_t ldy,
   }
 }
 
-template <bool Q4>
+template <Kind K>
 void rows_any(int n, const Weights& w, const float* x, int64_t ldx, float* y, int64_t ldy,
               int64_t begin, int64_t end) {
   switch (n) {
-    case 1: return rows<Q4, 1>(w, x, ldx, y, ldy, begin, end);
-    case 2: return rows<Q4, 2>(w, x, ldx, y, ldy, begin, end);
-    case 3: return rows<Q4, 3>(w, x, ldx, y, ldy, begin, end);
-    case 4: return rows<Q4, 4>(w, x, ldx, y, ldy, begin, end);
-    case 5: return rows<Q4, 5>(w, x, ldx, y, ldy, begin, end);
-    case 6: return rows<Q4, 6>(w, x, ldx, y, ldy, begin, end);
-    case 7: return rows<Q4, 7>(w, x, ldx, y, ldy, begin, end);
-    default: return rows<Q4, 8>(w, x, ldx, y, ldy, begin, end);
+    case 1: return rows<K, 1>(w, x, ldx, y, ldy, begin, end);
+    case 2: return rows<K, 2>(w, x, ldx, y, ldy, begin, end);
+    case 3: return rows<K, 3>(w, x, ldx, y, ldy, begin, end);
+    case 4: return rows<K, 4>(w, x, ldx, y, ldy, begin, end);
+    case 5: return rows<K, 5>(w, x, ldx, y, ldy, begin, end);
+    case 6: return rows<K, 6>(w, x, ldx, y, ldy, begin, end);
+    case 7: return rows<K, 7>(w, x, ldx, y, ldy, begin, end);
+    default: return rows<K, 8>(w, x, ldx, y, ldy, begin, end);
   }
 }
 
@@ -154,23 +202,13 @@ void rows_any(int n, const Weights& w, const float* x, int64_t ldx, float* y, in
 constexpr int kOuts = 6;
 
 // Rebuilds output rows [o, o + n) into tile (fp32, `in` columns each).
-template <bool Q4>
+template <Kind K>
 void rebuild(const Weights& w, int64_t o, int n, float* tile) {
   for (int i = 0; i < n; ++i) {
-    const uint8_t* qrow = w.q + (o + i) * w.row_bytes;
-    const at::Half* drow = w.d + (o + i) * w.blocks;
     float* out = tile + i * w.blocks * kBlock;
     for (int64_t b = 0; b < w.blocks; ++b) {
       Vecs<kPer> wv;
-      const Vec d(static_cast<float>(drow[b]));
-      if constexpr (Q4) {
-        unpack_q4(qrow + b * (kBlock / 2), wv);
-        const Vec m(static_cast<float>(w.m[(o + i) * w.blocks + b]));
-        for (int k = 0; k < kPer; ++k) wv[k] = at::vec::fmadd(wv[k], d, m);
-      } else {
-        unpack_q8(reinterpret_cast<const int8_t*>(qrow) + b * kBlock, wv);
-        for (int k = 0; k < kPer; ++k) wv[k] = wv[k] * d;
-      }
+      weights_of<K>(w, o + i, b, wv);
       for (int k = 0; k < kPer; ++k) wv[k].store(out + b * kBlock + k * kLanes);
     }
   }
@@ -199,14 +237,14 @@ void outer(const float* tile, int64_t in, const float* xt, int64_t ldt, int64_t 
     }
 }
 
-template <bool Q4>
+template <Kind K>
 void many_rows(const Weights& w, const float* xt, int64_t ldt, int64_t rows, float* y,
                int64_t ldy, int64_t begin, int64_t end) {
   const int64_t in = w.blocks * kBlock;
   std::vector<float> tile(static_cast<size_t>(kOuts * in));
   for (int64_t o = begin; o < end; o += kOuts) {
     const int outs = static_cast<int>(std::min<int64_t>(kOuts, end - o));
-    rebuild<Q4>(w, o, outs, tile.data());
+    rebuild<K>(w, o, outs, tile.data());
     if (outs < kOuts)  // rows past the layer's last multiply zeros, their sums unused
       std::fill(tile.begin() + outs * in, tile.end(), 0.f);
     int64_t r0 = 0;
@@ -217,19 +255,24 @@ void many_rows(const Weights& w, const float* xt, int64_t ldt, int64_t rows, flo
   }
 }
 
-void check(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, int64_t row_bytes) {
+void check(const at::Tensor& x, const at::Tensor& q, int64_t row_bytes) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
                   x.stride(1) == 1, "x: a CPU float32 matrix with contiguous rows");
   TORCH_CHECK(x.size(1) % kBlock == 0, "x: columns a multiple of 32");
+  const int64_t width = x.size(1) / kBlock * row_bytes / q.element_size();
+  TORCH_CHECK(q.is_contiguous() && q.dim() == 2 && q.size(1) == width,
+              "weights: [out, ", width, "] contiguous");
+}
+
+void check(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, int64_t row_bytes) {
+  check(x, q, row_bytes);
   const int64_t blocks = x.size(1) / kBlock;
-  TORCH_CHECK(q.is_contiguous() && q.dim() == 2 && q.size(1) == blocks * row_bytes,
-              "weights: [out, ", blocks * row_bytes, "] contiguous");
   TORCH_CHECK(d.is_contiguous() && d.scalar_type() == at::kHalf && d.dim() == 2 &&
                   d.size(0) == q.size(0) && d.size(1) == blocks,
               "scales: [out, ", blocks, "] float16 contiguous");
 }
 
-template <bool Q4>
+template <Kind K>
 at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t out) {
   at::Tensor y = at::empty({x.size(0), out}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -242,7 +285,7 @@ at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t out) {
     xt.narrow(1, 0, n).copy_(x.t());
     const float* tp = xt.data_ptr<float>();
     at::parallel_for(0, (out + kOuts - 1) / kOuts, 1, [&](int64_t begin, int64_t end) {
-      many_rows<Q4>(w, tp, ldt, n, yp, out, begin * kOuts, std::min(end * kOuts, out));
+      many_rows<K>(w, tp, ldt, n, yp, out, begin * kOuts, std::min(end * kOuts, out));
     });
     return y;
   }
@@ -251,7 +294,7 @@ at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t out) {
   at::parallel_for(0, out, kTile, [&](int64_t begin, int64_t end) {
     for (int64_t o0 = begin; o0 < end; o0 += kTile)
       for (int64_t r0 = 0; r0 < n; r0 += kMaxRows)
-        rows_any<Q4>(static_cast<int>(std::min<int64_t>(kMaxRows, n - r0)), w,
+        rows_any<K>(static_cast<int>(std::min<int64_t>(kMaxRows, n - r0)), w,
                      xp + r0 * ldx, ldx, yp + r0 * out, out, o0, std::min(o0 + kTile, end));
   });
   return y;
@@ -266,7 +309,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
               "mins: shaped as the scales, float16 contiguous");
   const Weights w{q.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m.data_ptr<at::Half>(),
                   d.size(1), q.size(1)};
-  return linear<true>(x, w, q.size(0));
+  return linear<Kind::Q4>(x, w, q.size(0));
 }
 
 // x [rows, in] float32; q [out, in] int8; d [out, in / 32] float16 -> [rows, out].
@@ -275,7 +318,17 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   TORCH_CHECK(q.scalar_type() == at::kChar, "weights: int8");
   const Weights w{reinterpret_cast<const uint8_t*>(q.data_ptr<int8_t>()),
                   d.data_ptr<at::Half>(), nullptr, d.size(1), q.size(1)};
-  return linear<false>(x, w, q.size(0));
+  return linear<Kind::Q8>(x, w, q.size(0));
+}
+
+// x [rows, in] float32; w [out, in] bfloat16 or float16 -> [rows, out].
+at::Tensor h16_linear(const at::Tensor& x, const at::Tensor& w) {
+  const bool bf16 = w.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || w.scalar_type() == at::kHalf, "weights: bfloat16 or float16");
+  check(x, w, kBlock * 2);
+  const Weights ws{static_cast<const uint8_t*>(w.data_ptr()), nullptr, nullptr,
+                   x.size(1) / kBlock, w.size(1) * 2};
+  return bf16 ? linear<Kind::BF16>(x, ws, w.size(0)) : linear<Kind::F16>(x, ws, w.size(0));
 }
 
 }  // namespace
@@ -283,9 +336,11 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 TORCH_LIBRARY_FRAGMENT(seqgate, m) {
   m.def("q4_linear(Tensor x, Tensor q, Tensor d, Tensor m) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor q, Tensor d) -> Tensor");
+  m.def("h16_linear(Tensor x, Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(seqgate, CPU, m) {
   m.impl("q4_linear", &q4_linear);
   m.impl("q8_linear", &q8_linear);
+  m.impl("h16_linear", &h16_linear);
 }
