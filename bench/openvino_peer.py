@@ -7,11 +7,12 @@ OpenVINO GenAI (`openvino-genai` on PyPI) runs continuous batching with paged at
 CPU, but has no HTTP server in Python, so it is measured in its own process: this driver loads
 the model, answers two warm-up requests, prints `ready`, waits for `go` on stdin, then keeps
 `--concurrency` requests in flight through `ContinuousBatchingPipeline.add_request` / `step`
-until every request is done, and writes each request's timings (the same fields as the HTTP
-load generator's `RequestResult`). It pays no HTTP, JSON or detokenisation cost; the report says
-so. Requests arrive as token ids (the bench applies the same chat template for every server),
-greedy, each with its own token budget, ending at the model's end-of-sequence token like the
-other servers' answers.
+until every request is done, writes each request's timings (the same fields as the HTTP load
+generator's `RequestResult`), prints `done` and exits at the end of its input (so the bench reads
+its CPU time and peak memory while it is still there). It pays no HTTP, JSON or detokenisation
+cost; the report says so. Requests arrive as token ids (the bench applies the same chat template
+for every server), greedy, each with its own token budget, ending at the model's
+end-of-sequence token like the other servers' answers.
 
 It runs in `.venv-openvino` (scripts/install_openvino.sh), not in seqgate's environment:
 optimum-intel and OpenVINO pin their own transformers. The bench side (`export`, `OpenVINORun`)
@@ -100,16 +101,25 @@ class OpenVINORun:
         self.start_seconds = time.perf_counter() - t0
         return self
 
-    def run(self, timeout: float) -> dict:
+    def run(self) -> dict:
+        """The timed requests' results; the driver stays up (its CPU time and memory readable)
+        until the run is left."""
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
-        if self.proc.wait(timeout=timeout) != 0:
+        line = self.proc.stdout.readline().strip()
+        if line != "done":
+            self.proc.wait()
             raise RuntimeError(f"OpenVINO driver exited with {self.proc.returncode}; its log "
                                "ends:\n" + self.log_path.read_text()[-3000:])
         return json.loads(self.out_path.read_text())
 
     def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            self.proc.stdin.close()  # the driver exits at the end of its input
+            self.proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
             self.proc.wait()
 
@@ -190,6 +200,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     results, wall = serve(pipe, requests, args.concurrency)
     args.out.write_text(json.dumps({"results": results, "wall_seconds": wall}))
+    print("done", flush=True)
+    sys.stdin.read()
 
 
 if __name__ == "__main__":

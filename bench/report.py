@@ -327,7 +327,8 @@ def render(data: dict, doc: Path) -> str:
         "rather than editing this file.", "",
         f"- Command: `{meta['command']}`",
         f"- Run: {meta['started']} → {meta.get('finished', '?')} ({phases or 'no phase done'})",
-        f"- Machine: {m['cpu']}, {m['cores_available']} cores available "
+        f"- Machine: {m['cpu']}, vector ISA {' '.join(m.get('isa') or []) or 'unknown'}, "
+        f"{m['cores_available']} cores available "
         f"({m['logical_cpus']} logical CPUs), {m['memory_gib']} GiB RAM; 1-minute load "
         f"average at start {m['load_avg_1m_at_start']}",
         f"- Versions: seqgate {v.get('seqgate')} at {sha}, torch {v['torch']}, transformers "

@@ -240,8 +240,8 @@ class Bench:
         with openvino_peer.OpenVINORun(ov_dir, requests, concurrency, work) as driver:
             idle_rss = tree_rss(driver.pid)
             with RssSampler(driver.pid) as sampler, CpuAccount(driver.pid) as cpu:
-                out = driver.run(self.args.request_timeout * len(bodies))
-            peak = tree_peak_rss(driver.pid) if driver.proc.poll() is None else sampler.peak
+                out = driver.run()
+            peak = tree_peak_rss(driver.pid)
         results = [RequestResult(**r) for r in out["results"]]
         run = {**tags, "server": spec.label, "argv": spec.argv(self.model_dir, 0),
                "in_process": True, "concurrency": concurrency,
