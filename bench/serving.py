@@ -211,14 +211,10 @@ class Bench:
             after = scrape(server.base_url) if spec.kind == "seqgate" else None
             peak = server.peak_rss()
             start_s = server.start_seconds
-        run = {**tags, "server": spec.label, "argv": spec.argv(self.model_dir, 0)[1:],
-               "concurrency": concurrency, "figures": summarize(results, wall),
-               "memory": {"peak_rss": peak, "idle_rss": idle_rss, "run_peak_rss": sampler.peak,
-                          "run_growth": sampler.peak - idle_rss},
-               "engine": engine_activity(before, after) if before is not None else None,
-               "cpu": cpu.to_json(), "server_info": info, "start_seconds": start_s,
-               "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-               "requests": [r.to_json() for r in results]}
+        run = _run_record(tags, spec.label, spec.argv(self.model_dir, 0)[1:], concurrency,
+                          results, wall, (peak, idle_rss, sampler.peak), cpu, start_s,
+                          engine=engine_activity(before, after) if before is not None else None,
+                          server_info=info)
         f = run["figures"]
         print(f"  {spec.label:<44} c={concurrency:<3} {f['completed']}/{f['requests']} ok, "
               f"{f['output_tokens_per_s']:7.2f} tok/s, TTFT p50 {_s(f['ttft_p50'])}, "
@@ -243,15 +239,10 @@ class Bench:
                 out = driver.run()
             peak = tree_peak_rss(driver.pid)
         results = [RequestResult(**r) for r in out["results"]]
-        run = {**tags, "server": spec.label, "argv": spec.argv(self.model_dir, 0),
-               "in_process": True, "concurrency": concurrency,
-               "figures": summarize(results, out["wall_seconds"]),
-               "memory": {"peak_rss": peak, "idle_rss": idle_rss, "run_peak_rss": sampler.peak,
-                          "run_growth": sampler.peak - idle_rss},
-               "engine": None, "cpu": cpu.to_json(), "server_info": None,
-               "start_seconds": driver.start_seconds,
-               "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-               "requests": [r.to_json() for r in results]}
+        run = _run_record(tags, spec.label, spec.argv(self.model_dir, 0), concurrency, results,
+                          out["wall_seconds"], (peak, idle_rss, sampler.peak), cpu,
+                          driver.start_seconds, in_process=True, engine=None,
+                          server_info=None)
         f = run["figures"]
         print(f"  {spec.label + ' (in-process)':<44} c={concurrency:<3} {f['completed']}/"
               f"{f['requests']} ok, {f['output_tokens_per_s']:7.2f} tok/s, TTFT p50 "
@@ -395,6 +386,20 @@ class Bench:
                                  str(sparsity), label=f"seqgate {label}")
                 self.record("splitting", spec, COMPLETIONS_PATH, bodies, conc, repeat=rep,
                             config=label, max_splits=splits, max_sparsity=sparsity)
+
+
+def _run_record(tags: dict, label: str, argv: list[str], concurrency: int,
+                results: list[RequestResult], wall: float, memory: tuple[int, int, int],
+                cpu: CpuAccount, start_seconds: float | None, **extra) -> dict:
+    """One run as serving.json keeps it; `memory`: (peak, idle, run's peak) RSS."""
+    peak, idle, run_peak = memory
+    return {**tags, "server": label, "argv": argv, "concurrency": concurrency, **extra,
+            "figures": summarize(results, wall),
+            "memory": {"peak_rss": peak, "idle_rss": idle, "run_peak_rss": run_peak,
+                       "run_growth": run_peak - idle},
+            "cpu": cpu.to_json(), "start_seconds": start_seconds,
+            "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+            "requests": [r.to_json() for r in results]}
 
 
 def portable(text: str) -> str:

@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import torch
 
 log = logging.getLogger("seqgate.engine")
 
@@ -21,6 +24,18 @@ def best_of(times: int, work: Callable[[], object]) -> float:
         work()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+@contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Within the block torch runs `threads` intra-op threads (the engine thread's; None:
+    this thread's), so that timings taken here hold for the engine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def cached(path: Path | None, key: str, measure: Callable[[], dict]) -> dict:

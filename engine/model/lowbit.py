@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.blocks import Blocks, exact_blocks, rounded_blocks
-from engine.model.host_timing import best_of, cached
+from engine.model.host_timing import best_of, cached, torch_threads
 
 log = logging.getLogger("seqgate.engine")
 
@@ -170,12 +170,8 @@ def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
     layers = [*kept, *(layer for _, _, layer in made)]
     if not layers:
         return LowbitReport()
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads or before)
-    try:
+    with torch_threads(threads):
         max_rows, timings = _max_rows(layers, cache, build_key)
-    finally:
-        torch.set_num_threads(before)
     for layer in layers:
         layer.ops, layer.max_rows = ops, max_rows
     return LowbitReport(

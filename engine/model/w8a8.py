@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model.host_timing import best_of, cached
+from engine.model.host_timing import best_of, cached, torch_threads
 
 log = logging.getLogger("seqgate.engine")
 
@@ -131,12 +131,8 @@ def install(model: torch.nn.Module, cache: Path | None, build_key: str = "",
     if not made:
         return W8A8Report()
     layers = [layer for _, _, layer in made]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads or before)
-    try:
+    with torch_threads(threads):
         min_rows, timings = _min_rows(layers, cache, build_key)
-    finally:
-        torch.set_num_threads(before)
     for parent, name, layer in made:
         layer.min_rows = min_rows
         setattr(parent, name, layer)
