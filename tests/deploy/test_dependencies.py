@@ -105,6 +105,10 @@ def test_every_runtime_dependency_has_a_use():
 BENCH_OPTIONAL = {
     "xgrammar": "bench.studies.grammar_libs compares it with llguidance when it is installed; "
                 "it pulls triton (1 GB), too much for every `make bench`",
+    "openvino-genai": "bench.openvino_peer's driver runs in its own environment "
+                      "(.venv-openvino, scripts/install_openvino.sh): optimum-intel pins its own "
+                      "transformers",
+    "openvino": "the same driver, beside openvino-genai",
 }
 
 
