@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from engine import EngineConfig, LoadedModel
+from engine import EngineConfig, LoadedModel, load_model
 from engine.config import ConfigError
 from engine.model import w8a8
 from engine.model.prepare import original_model, prepare
@@ -83,19 +83,19 @@ def test_choose_min_rows_picks_a_row_count_from_which_int8_always_wins(monkeypat
 
 def test_install_wraps_the_decoder_not_the_head_and_caches_the_choice(smollm2: LoadedModel,
                                                                        tmp_path):
-    model = copy.deepcopy(smollm2.model).float()
+    model = load_model(EngineConfig(dtype="fp32")).model
     report = w8a8.install(model, tmp_path, "test")
     config = model.config
     assert report.layers == 7 * config.num_hidden_layers
     assert type(model.get_output_embeddings()) is not W8A8Linear
     assert (tmp_path / "kernels" / "w8a8-rows.json").is_file()
-    again = w8a8.install(copy.deepcopy(smollm2.model).float(), tmp_path, "test")
+    again = w8a8.install(load_model(EngineConfig(dtype="fp32")).model, tmp_path, "test")
     assert (again.min_rows, again.timings) == (report.min_rows, report.timings)
 
 
 def test_prepare_installs_w8a8_under_the_lean_layers(smollm2: LoadedModel):
     loaded = copy.copy(smollm2)
-    loaded.model = copy.deepcopy(smollm2.model).float()
+    loaded.model = load_model(EngineConfig(dtype="fp32")).model
     prepared = prepare(loaded, EngineConfig(dtype="fp32", quantize="w8a8"))
     assert prepared.w8a8.layers == 7 * loaded.model.config.num_hidden_layers
     assert prepared.lean_layers == loaded.model.config.num_hidden_layers
@@ -118,7 +118,7 @@ def test_w8a8_is_a_quantize_mode_and_nothing_else_installs_it(smollm2: LoadedMod
     with pytest.raises(ConfigError, match="quantize"):
         EngineConfig(quantize="w4a4")
     loaded = copy.copy(smollm2)
-    loaded.model = copy.deepcopy(smollm2.model).float()
+    loaded.model = load_model(EngineConfig(dtype="fp32")).model
     assert prepare(loaded, EngineConfig(dtype="fp32")).w8a8.layers == 0
     assert not any(isinstance(m, W8A8Linear) for m in loaded.model.modules())
 
