@@ -281,6 +281,10 @@ OPTIONS: tuple[Option, ...] = (
            "sampled) row; 0: off"),
     Option("speculative_max_rows", "engine", _int(0), ("option.speculative_max_rows",),
            "--speculative-max-rows", "no step speculates while more rows than this decode"),
+    Option("speculative_model", "engine", _text,
+           ("option.speculative_model", "option.speculative_draft_model"), "--speculative-model",
+           "a smaller model sharing the tokenizer (directory, hub id or GGUF file) whose greedy "
+           "continuation is each row's draft, instead of prompt lookup"),
     Option("quantize", "engine", _choice(*QUANTIZE_MODES), ("option.quantize",),
            "--quantize",
            "quantisation on the CPU: none | int8 | int4 (weight-only) | w8a8 (int8 weights and "

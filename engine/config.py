@@ -94,6 +94,9 @@ class EngineConfig:
     # No step speculates while more rows than this decode: a sub-batch keeps only the drafts
     # every one of its rows accepted, and a large batch already reads each weight for many.
     speculative_max_rows: int = 4
+    # A smaller model sharing the tokenizer (directory, hub id or GGUF file) whose greedy
+    # continuation is the draft instead of prompt lookup (engine/sample/draft_model.py).
+    speculative_model: str | None = None
     # Quantisation on the CPU: none | int8 | int4 weight-only (fp32 models:
     # engine/model/lowbit.py; bf16 ones: engine/model/quantize.py) | w8a8, int8 weights and
     # activations for forwards of many rows (fp32 models on x86: engine/model/w8a8.py).
@@ -166,6 +169,10 @@ class EngineConfig:
             # The other policies read the clock, which differs between ranks in lock step.
             raise ConfigError("scheduling_policy", self.scheduling_policy,
                               "fifo when tensor_parallel_degree > 1")
+        if self.tensor_parallel_degree > 1 and self.speculative_model:
+            # Every rank would run the whole draft model: refused rather than run untested.
+            raise ConfigError("speculative_model", self.speculative_model,
+                              "unset when tensor_parallel_degree > 1")
         if self.tensor_parallel_degree > 1 and self.quantize != "none":
             # Each rank's share of a layer is a DTensor shard, which the packed kernels were
             # never tried on: refused by name rather than run untested.

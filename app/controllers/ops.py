@@ -61,7 +61,12 @@ class OpsController(Controller):
                        "job_queue_size": cfg.job_queue_size, "max_sparsity": cfg.max_sparsity,
                        "max_splits": cfg.max_splits, "decoding_strategy": cfg.decoding_strategy,
                        "num_threads": cfg.threads, "quantize": cfg.quantize,
-                       "kernels": _kernels(engine)},
+                       "kernels": _kernels(engine),
+                       "speculative": {
+                           "method": "draft_model" if cfg.speculative_model else "ngram",
+                           "model": cfg.speculative_model,
+                           "num_speculative_tokens": cfg.num_speculative_tokens,
+                           "speculative_max_rows": cfg.speculative_max_rows}},
             "python": platform.python_version(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,

@@ -28,6 +28,7 @@ from engine.model.runner import Chunk, ModelRunner
 from engine.outputs import EngineStats, StepStats
 from engine.request.job import Job
 from engine.sample.decoder import TokenDecoder, fail
+from engine.sample.draft_model import DraftModel
 from engine.sample.grammar import GrammarCompiler
 from engine.sample.sampling import logprobs_for
 from engine.sample.speculative import Speculator
@@ -54,6 +55,8 @@ class EngineCore:
         self.eos_ids = loaded.eos_ids()
         self.runner = ModelRunner(loaded.model, loaded.device, config.tensor_parallel_degree)
         prepared = prepare(loaded, config)
+        # Before the KV budget, which is what the device leaves once its weights are loaded too.
+        draft_model = DraftModel.load(config, loaded, self.runner.vocab_size)
         self.packed_forward = prepared.packed_forward
         self.prepacked_layers = prepared.prepacked_layers
         self.lean_layers = prepared.lean_layers
@@ -74,7 +77,7 @@ class EngineCore:
             config.chunk_attention_tokens or self.runner.attention_tokens(),
             StepCost() if ranks is None else None, self.kv_budget)
         self.batch = RollingBatch()
-        self.speculator = Speculator(config, self.max_model_len)
+        self.speculator = Speculator(config, self.max_model_len, draft_model)
         self.decoder = TokenDecoder(self.runner.vocab_size, loaded.device, self.eos_ids,
                                     self.max_model_len, self.speculator)
         # Request threads compile grammars here, never the engine; they judge a mask against what
@@ -91,13 +94,12 @@ class EngineCore:
         s = self.recorder.totals
         s.queued = len(self.scheduler.queue)
         s.running = self.scheduler.slots_taken()
-        cache = self.prefix_cache  # its own counters: hits and misses per lookup at admission
-        s.cache_hits, s.cache_misses, s.cached_tokens = cache.hits, cache.misses, \
-            cache.reused_tokens
-        s.prefix_cache_bytes = cache.nbytes
-        s.prefix_cache_entries = len(cache)
-        s.prefix_cache_evictions = cache.evictions
-        s.prefix_cache_capacity_bytes = cache.capacity_bytes
+        c = self.prefix_cache  # its own counters: hits and misses per lookup at admission
+        s.cache_hits, s.cache_misses, s.cached_tokens = c.hits, c.misses, c.reused_tokens
+        s.prefix_cache_bytes = c.nbytes
+        s.prefix_cache_entries = len(c)
+        s.prefix_cache_evictions = c.evictions
+        s.prefix_cache_capacity_bytes = c.capacity_bytes
         s.kv_budget_bytes = self.kv_budget.batch if self.kv_budget is not None else 0
         s.generated_tokens = self.decoder.generated_tokens
         s.grammars_compiled = self.grammars.compiled
@@ -224,8 +226,7 @@ class EngineCore:
         self.caching.step_done(sbs)
 
     def _start_decoding(self, job: Job, logits: torch.Tensor) -> None:
-        """The prompt is done: cache it, set up its sequences, choose their first tokens. They
-        join the decode set at the next step."""
+        """The prompt is done: cache it, start its sequences (decoding from the next step)."""
         hidden = torch.cat(job.hidden) if job.hidden else None
         self.caching.prompt_done(job, hidden)
         if job.decoding:  # resumed after a preemption: its rows' next tokens are chosen
@@ -239,8 +240,7 @@ class EngineCore:
             job.release_prompt()
 
     def _undoable(self, result) -> bool:
-        """Whether a group's result is an allocation failure this step survives (by undoing the
-        group's work and preempting a job) rather than failing the group's rows."""
+        """Whether a group's result is an allocation failure this step survives by undoing it."""
         return isinstance(result, Exception) and not self._lockstep and out_of_memory(result)
 
     def _survive_out_of_memory(self, plan: StepPlan, exc: Exception, lost: list[Job],

@@ -25,6 +25,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.request.job import Sequence
+from engine.sample.draft_model import DraftModel
 from engine.sample.sampling import filtered_probs
 from engine.staging import to_device
 
@@ -158,9 +159,11 @@ def sampled_choices(logits: torch.Tensor, firsts: list[int], drafts: list[list[i
 
 class Speculator:
     """Proposes drafts before each step, within what the rows may still generate, and counts
-    what verification kept; drafting pauses where it does not pay."""
+    what verification kept; drafting pauses where it does not pay. Drafts come from prompt
+    lookup, or from `draft_model` where one is configured."""
 
-    def __init__(self, config: EngineConfig, max_model_len: int):
+    def __init__(self, config: EngineConfig, max_model_len: int,
+                 draft_model: DraftModel | None = None):
         self.k = config.num_speculative_tokens
         self.max_rows = config.speculative_max_rows
         self.max_model_len = max_model_len
@@ -170,12 +173,15 @@ class Speculator:
         self._paused = 0
         self.payoff = Payoff()
         self._fed = False  # whether the step under way verified drafts
+        self.draft_model = draft_model
 
     def draft(self, rows: list[Sequence]) -> None:
         """Set each running row's draft for the coming step ([] where none is proposed)."""
         self._fed = False
         active = (self.k and 0 < len(rows) <= self.max_rows and not self._pause()
                   and self.payoff.pays(len(rows)))
+        if self.draft_model is not None:
+            self.draft_model.keep_only({(s.job.job_id, s.index) for s in rows})
         for s in rows:
             s.draft = self._propose(s) if active else []
 
@@ -193,7 +199,10 @@ class Speculator:
         room = min(self.k, s.tokens_left - 1, self.max_model_len - s.kv_len - 2)
         if room <= 0:
             return []
-        return propose(s.job.prompt_ids + s.generated, room)
+        context = s.job.prompt_ids + s.generated
+        if self.draft_model is not None:
+            return self.draft_model.propose((s.job.job_id, s.index), context, room)
+        return propose(context, room)
 
     def _pause(self) -> bool:
         if self._paused:

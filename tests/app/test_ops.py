@@ -22,6 +22,10 @@ def test_health_and_version(http, live_server):
                                  "max_rows": blocks.max_rows,
                                  "ms_per_pass_kernel_vs_torch": blocks.timings}
     assert kernels["w8a8"] is None and engine.int8_layers.layers == 0  # only where asked
+    assert version["engine"]["speculative"] == {
+        "method": "ngram", "model": None,
+        "num_speculative_tokens": engine.config.num_speculative_tokens,
+        "speculative_max_rows": engine.config.speculative_max_rows}
 
 
 def test_tokenize_detokenize_round_trip(http, live_server):

@@ -14,6 +14,7 @@ import torch
 from engine import ConfigError, EngineConfig, SamplingParams
 from engine.model.loader import LoadedModel
 from engine.sample import decoder, speculative
+from engine.sample.draft_model import DraftModel
 from engine.sample.sampling import filter_logits
 from engine.sample.speculative import propose, sampled_choices, verify
 from tests.engine.helpers import collect, reference_greedy
@@ -192,10 +193,9 @@ def test_rejection_sampling_keeps_each_position_distributed_as_plain_sampling():
                         probs[0]) < 1e-6
 
 
-@pytest.fixture(scope="module")
-def sixteen_tokens(smollm2):
+def sixteen_token_model(tokenizer) -> LoadedModel:
     """A one-layer random Llama over 16 tokens whose distributions are peaked enough that
-    drafts are both kept and refused."""
+    drafts are both kept and refused (the same weights at every call)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(3)
@@ -205,18 +205,25 @@ def sixteen_tokens(smollm2):
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(30)
-    return LoadedModel(model, smollm2.tokenizer, "tiny16", "random", torch.device("cpu"),
+    return LoadedModel(model, tokenizer, "tiny16", "random", torch.device("cpu"),
                        torch.float32, 0.0, False)
 
 
+@pytest.fixture(scope="module")
+def sixteen_tokens(smollm2):
+    return sixteen_token_model(smollm2.tokenizer)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("biased", [False, True], ids=["rejection sampling", "drafts kept"])
+@pytest.mark.parametrize("drafts", ["prompt lookup", "kept", "draft model"],
+                         ids=["rejection sampling", "drafts kept", "draft model"])
 def test_sampled_output_keeps_the_models_distribution_with_drafts(sixteen_tokens, make_engine,
-                                                                  monkeypatch, biased):
+                                                                  monkeypatch, drafts):
     """Every step of every row verifies a two-token draft (the model's own greedy
     continuation, so that drafts are often kept, and rows of a sub-batch keep different
     numbers); the joint distribution of the 2nd and 3rd tokens over 2,000 answers matches the
     model's own, enumerated exactly. With every draft kept (the negative control), it does not.
+    The same through a draft model (an unmodified copy of the model, with its own caches).
     """
     model, prompt = sixteen_tokens.model, [3, 7, 1, 12, 5, 9]
     with torch.no_grad():
@@ -237,6 +244,11 @@ def test_sampled_output_keeps_the_models_distribution_with_drafts(sixteen_tokens
     monkeypatch.setattr(speculative, "propose", lambda context, k: greedy_draft(tuple(context),
                                                                                 k))
     monkeypatch.setattr(speculative, "LOW_ACCEPTANCE", 0.0)  # draft every step
+    biased = drafts == "kept"
+    if drafts == "draft model":
+        copy = sixteen_token_model(sixteen_tokens.tokenizer)  # the engine rewires the served one
+        monkeypatch.setattr(DraftModel, "load", classmethod(
+            lambda cls, config, target, vocab: cls(copy, vocab)))
     if biased:
         monkeypatch.setattr(decoder, "sampled_choices",
                             lambda logits, firsts, drafts, seqs, g: [d + d[-1:] for d in drafts])
@@ -254,6 +266,8 @@ def test_sampled_output_keeps_the_models_distribution_with_drafts(sixteen_tokens
     if biased:
         assert chi_square_p(counts, joint.flatten()) < 1e-6
         return
+    if drafts == "draft model":
+        assert eng.speculator.draft_model is not None
     assert 0 < stats.spec_accepted_tokens < stats.spec_proposed_tokens  # kept and refused
     assert chi_square_p(counts, joint.flatten()) > 1e-3
 
