@@ -55,7 +55,8 @@ class ServerSpec:
             launcher = [sys.executable, "-m", "app"] if self.checkout is not None else \
                 [_venv_script("seqgate")]
             return [*launcher, "serve", "--model", str(model_dir), "--device", "cpu",
-                    "--host", "127.0.0.1", "--port", str(port), *self.extra_args]
+                    "--host", "127.0.0.1", "--port", str(port),
+                    *(a.replace("{model}", str(model_dir)) for a in self.extra_args)]
         if self.kind == "transformers":
             return [_venv_script("transformers"), "serve", str(model_dir), "--device", "cpu",
                     "--host", "127.0.0.1", "--port", str(port), *self.extra_args]
@@ -109,8 +110,11 @@ SWEEP_SERVERS = {s.label: s for s in (SEQGATE, SEQGATE_INT4, SEQGATE_W8A8, TF_SE
 # n-gram speculation (bench.serving's `speculative` phase).
 SEQGATE_NO_SPEC = ServerSpec("seqgate-nospec", "seqgate", ("--num-speculative-tokens", "0"))
 LLAMA_CPP_LOOKUP = ServerSpec("llama.cpp-lookup", "llamacpp", ("--lookup",))
+# The served model as its own draft model: what drafting with a second model costs and keeps
+# (no smaller model with SmolLM2's tokenizer ships on PyPI).
+SEQGATE_SELF_DRAFT = ServerSpec("seqgate-draft-self", "seqgate", ("--speculative-model", "{model}"))
 SPECULATIVE_SERVERS = {s.label: s for s in (SEQGATE, SEQGATE_NO_SPEC, SEQGATE_INT4, LLAMA_CPP,
-                                            LLAMA_CPP_LOOKUP)}
+                                            LLAMA_CPP_LOOKUP, SEQGATE_SELF_DRAFT)}
 
 
 def _venv_script(name: str) -> str:
