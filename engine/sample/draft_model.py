@@ -24,6 +24,7 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.model.loader import LoadedModel, load_model
+from engine.model.prepare import prepare
 from engine.model.runner import cache_keyword
 
 log = logging.getLogger("seqgate.speculative")
@@ -56,13 +57,17 @@ class DraftModel:
         whose tokenizer differs from the target's is refused by name."""
         if not config.speculative_model or not config.num_speculative_tokens:
             return None
-        loaded = load_model(dataclasses.replace(
+        draft_config = dataclasses.replace(
             config, model_id=config.speculative_model, speculative_model=None, revision=None,
-            tensor_parallel_degree=1))
+            tensor_parallel_degree=1, fuse_sub_batches=False, decode_attention="sdpa")
+        loaded = load_model(draft_config)
         if loaded.tokenizer.get_vocab() != target.tokenizer.get_vocab():
             raise ModelLoadError(
                 f"option.speculative_model={config.speculative_model!r}: its tokenizer differs "
                 f"from the served model's ({target.name}); a draft model must share it")
+        # The served model's fast paths for its layers (block kernels, lean layers); its
+        # attention stays the model's own, over a transformers cache.
+        prepare(loaded, draft_config)
         log.info("draft model %s proposes up to %d tokens per row", loaded.name,
                  config.num_speculative_tokens)
         return cls(loaded, target_vocab)

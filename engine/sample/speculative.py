@@ -63,8 +63,10 @@ class Payoff:
 
     def pays(self, rows: int) -> bool:
         on, off = self._rate(rows, True), self._rate(rows, False)
-        if on is None or off is None:
-            return True  # learn what drafts yield (steps without any come by themselves)
+        if on is None:
+            return True  # learn what drafts yield
+        if off is None:
+            return False  # and what steps without them yield (a draft model always proposes)
         self._asked[rows] = asked = self._asked.get(rows, 0) + 1
         return (on >= off) != (asked % EXPLORE == 0)
 

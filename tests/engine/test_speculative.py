@@ -51,6 +51,9 @@ def test_the_payoff_drafts_where_drafts_yielded_more():
     four = [payoff.pays(4) for _ in range(2 * speculative.EXPLORE)]
     assert one.count(False) == 2 and four.count(True) == 2  # the loser tried now and then
     assert payoff.pays(2)  # another row count learns by itself
+    for _ in range(speculative.MIN_STEPS):  # every step drafted (a draft model always proposes)
+        payoff.observe(2, True, 2, 0.040)
+    assert not payoff.pays(2)  # then steps without drafts are tried
 
 
 def greedy(n: int, **kw) -> SamplingParams:
