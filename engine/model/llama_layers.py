@@ -102,7 +102,11 @@ class _Stacked(NamedTuple):
 def _stack(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
     if type(parts[0]) is W8A8Linear:
         exact = _stack([p.exact for p in parts]) if _stackable([p.exact for p in parts]) else None
-        return None if exact is None else W8A8Linear.around(exact, parts[0])
+        if exact is None:
+            return None
+        for p in parts:  # the stack's int8 copy serves; theirs would idle
+            p.drop_packed()
+        return W8A8Linear.around(exact, parts[0])
     if type(parts[0]) is PackedLinear:
         return PackedLinear.stacked(parts)
     if type(parts[0]) is BlockLinear:

@@ -88,7 +88,8 @@ class W8A8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows < self.min_rows or x.dtype != torch.float32 or x.device.type != "cpu":
+        if (rows < self.min_rows or self.packed is None or x.dtype != torch.float32
+                or x.device.type != "cpu"):
             return self.exact(x)
         flat = x.reshape(rows, self.in_features)
         return self.int8_forward(flat).view(*x.shape[:-1], self.out_features)
@@ -100,6 +101,11 @@ class W8A8Linear(torch.nn.Module):
     def around(cls, exact: torch.nn.Module, like: W8A8Linear) -> W8A8Linear:
         """A W8A8Linear over `exact` (a stack of layers' exact paths) with `like`'s row limit."""
         return cls(exact, like.min_rows)
+
+    def drop_packed(self) -> None:
+        """Free this layer's int8 weights where a stack of it serves them (the lean layers):
+        it then computes on its exact path alone."""
+        self.packed = None
 
 
 @dataclass(frozen=True)

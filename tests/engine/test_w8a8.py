@@ -105,8 +105,12 @@ def test_prepare_installs_w8a8_under_the_lean_layers(smollm2: LoadedModel):
     # The stack's int8 product is its parts' side by side (per-channel scales stack exactly).
     attn = loaded.model.model.layers[0].self_attn
     x = torch.randn(16, attn.q_proj.in_features)
-    parts = torch.cat([p.int8_forward(x) for p in (attn.q_proj, attn.k_proj, attn.v_proj)], -1)
+    qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+    parts = torch.cat([W8A8Linear(p.exact, 0).int8_forward(x) for p in qkv], -1)
     torch.testing.assert_close(stacked.qkv.int8_forward(x), parts)
+    # Only the stack keeps int8 weights; a part called alone computes exactly.
+    assert all(p.packed is None for p in qkv) and stacked.qkv.packed is not None
+    assert torch.equal(attn.q_proj(x), attn.q_proj.exact(x))
     with original_model(loaded.model):  # references compute on the exact weights
         assert attn.q_proj.min_rows == NEVER
         assert torch.equal(attn.q_proj(x), attn.q_proj.exact(x))
