@@ -163,6 +163,19 @@ def test_decode_attention_from_each_source(props):
         load_settings(config_file=props("option.decode_attention=flash\n"), env={})
 
 
+def test_speculative_model_from_each_source(props):
+    assert load_settings(env={}).engine.speculative_model is None
+    for key in ("option.speculative_model", "option.speculative_draft_model"):
+        assert load_settings(config_file=props(f"{key}=/models/draft\n"), env={}).engine \
+            .speculative_model == "/models/draft"
+    assert load_settings(env={"SEQGATE_SPECULATIVE_MODEL": "draft.gguf"}).engine \
+        .speculative_model == "draft.gguf"
+    assert load_settings({"speculative_model": "d"}, env={}).engine.speculative_model == "d"
+    with pytest.raises(SettingsError, match="speculative_model"):
+        load_settings(config_file=props("option.speculative_model=d\n"
+                                        "option.tensor_parallel_degree=2\n"), env={})
+
+
 def test_stall_ratio_from_each_source(props):
     assert load_settings(env={}).engine.stall_ratio == 2.5  # the default
     assert load_settings(config_file=props("option.stall_ratio=4\n"), env={}).engine \
