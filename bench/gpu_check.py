@@ -860,12 +860,160 @@ def section_tests(c: Check) -> dict:
             "ok": int(code) in (0, 5) and not tally.failed}
 
 
+def section_speculative(c: Check) -> dict:
+    """Speculative decoding on the device, fp32: prompt lookup and a draft model (the served model
+    drafting for itself), each judged against the reference by the margin rule; how many outputs
+    equal the run without speculation, and the draft model's acceptance."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    loaded = c.loaded("fp32")
+    n_prompts, n_tokens = (2, 8) if c.quick else (6, 32)
+    prompts = c.prompts(n_prompts, loaded.tokenizer)
+    params = [greedy_free(n_tokens) for _ in prompts]
+    out: dict = {}
+    plain: list[list[int]] = []
+    for name, config in (("off", dict(num_speculative_tokens=0)),
+                         ("prompt_lookup", dict(num_speculative_tokens=4)),
+                         ("draft_model", dict(num_speculative_tokens=4,
+                                              speculative_model=str(c.model_dir)))):
+        eng = c.engine("fp32", max_rolling_batch_size=4, **config)
+        handles = [eng.submit(ids, p) for ids, p in zip(prompts, params)]
+        eng.run_until_idle()
+        stats = eng.stats()
+        release(eng)
+        outs = [drain(h)[0]["tokens"] for h in handles]
+        totals: Counter = Counter()
+        for ids, tokens in zip(prompts, outs):
+            rep = margin_report(loaded.model, ids, tokens)
+            rep.pop("worst_gap")
+            totals.update(rep)
+        if name == "off":
+            plain = outs
+        row = {**totals, "equal_to_off": sum(a == b for a, b in zip(outs, plain))}
+        row["drafted"], row["accepted"] = stats.spec_proposed_tokens, stats.spec_accepted_tokens
+        out[name] = row
+    out["ok"] = all(r["violations"] == 0 for r in out.values() if isinstance(r, dict))
+    return out
+
+
+def greedy_free(n: int):
+    """Greedy without min_new_tokens, so that speculation may draft."""
+    from engine import SamplingParams
+
+    return SamplingParams(strategy="greedy", max_new_tokens=n)
+
+
+def section_splitting(c: Check) -> dict:
+    """Max-sparsity splitting on the device: 128 prompts x 64 tokens at 32 and 128 rows, with the
+    default splitting and with none (max_splits 1). Splitting saves padding, which a GPU hardly
+    pays for, at the price of an attention call per sub-batch per layer."""
+    from engine import EngineConfig
+
+    if c.quick:
+        plans, n = [(4, 8)], 8
+    else:
+        plans, n = [(32, 128), (128, 128)], 64
+    loaded = c.loaded("bf16" if c.on_cuda else "fp32")
+    prompts = c.prompts(plans[-1][1], loaded.tokenizer)
+    out: dict = {}
+    for rows, count in plans:
+        for label, splits in (("default", EngineConfig.max_splits), ("none", 1)):
+            if c.left() < 25:
+                out[f"rows_{rows}_{label}"] = {"skipped": "out of time"}
+                continue
+            eng = c.engine("bf16" if c.on_cuda else "fp32", max_rolling_batch_size=rows,
+                           prompt_cache_bytes=0, max_splits=splits)
+            warm = eng.submit(prompts[0], greedy(4))
+            eng.run_until_idle()
+            drain(warm)
+            _sync(c)
+            t0 = time.perf_counter()
+            handles = [eng.submit(prompts[i % len(prompts)], greedy(n)) for i in range(count)]
+            stats = eng.run_until_idle()
+            wall = time.perf_counter() - t0
+            tokens = sum(len(drain(h)[0]["tokens"]) for h in handles)
+            steps = [s.seconds for s in stats if s.decode_rows == rows and not s.prefill_tokens]
+            out[f"rows_{rows}_{label}"] = {
+                "tokens_per_s": round(tokens / wall, 1),
+                "decode_step_ms_p50": round(statistics.median(steps) * 1e3, 2) if steps else None,
+                "mean_sub_batches": round(statistics.mean(s.sub_batches for s in stats), 2)}
+            release(eng)
+    return out
+
+
+def section_graphs(c: Check) -> dict:
+    """What CUDA graphs would buy, before the engine has them: transformers' own model (bf16) over
+    its StaticCache, one decode token per row, run eagerly and as one captured graph replayed,
+    at 1, 32 and 128 rows with 512 cached positions. Compare with throughput's engine step."""
+    if not c.on_cuda:
+        return {"skipped": "CUDA only"}
+    from transformers import AutoModelForCausalLM, StaticCache
+
+    model = AutoModelForCausalLM.from_pretrained(c.model_dir, dtype=torch.bfloat16).to(c.device)
+    model.eval()
+    cap, filled = 512, 320
+    out: dict = {"cache_len": cap, "filled": filled}
+    for rows in (1, 32, 128):
+        if c.left() < 20:
+            out[f"rows_{rows}"] = {"skipped": "out of time"}
+            continue
+        row: dict = {}
+        try:
+            cache = StaticCache(config=model.config, max_cache_len=cap)
+            ids = torch.randint(0, 1000, (rows, filled), device=c.device)
+            mask = torch.zeros(rows, 1, 1, cap, dtype=torch.bool, device=c.device)
+            mask[..., :filled + 1] = True
+            with torch.inference_mode():
+                model(input_ids=ids, past_key_values=cache, use_cache=True,
+                      cache_position=torch.arange(filled, device=c.device))
+                tok = torch.zeros(rows, 1, dtype=torch.long, device=c.device)
+                pos = torch.full((rows, 1), filled, device=c.device)
+                cpos = torch.tensor([filled], device=c.device)
+
+                def step():
+                    return model(input_ids=tok, position_ids=pos, cache_position=cpos,
+                                 attention_mask=mask, past_key_values=cache,
+                                 use_cache=True).logits
+
+                row["eager_ms"] = _time_ms(step, c)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(3):
+                        step()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    logits = step()
+                row["graph_ms"] = _time_ms(graph.replay, c)
+                row["graph_equals_eager"] = bool(torch.equal(logits.clone(), step()))
+                row["speed_up"] = round(row["eager_ms"] / row["graph_ms"], 2)
+        except Exception as exc:  # capture can refuse a model that synchronises; say where
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+        out[f"rows_{rows}"] = row
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
+
+
+def _time_ms(fn: Callable, c: Check, n: int = 30) -> float:
+    for _ in range(3):
+        fn()
+    _sync(c)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    _sync(c)
+    return round((time.perf_counter() - t0) / n * 1e3, 3)
+
+
 SECTIONS: list[tuple[str, Callable[[Check], dict]]] = [
     ("env", section_env), ("model", section_model), ("parity", section_parity),
     ("half_precision", section_half), ("features", section_features), ("syncs", section_syncs),
     ("profile", section_profile), ("overhead", section_overhead),
     ("throughput", section_throughput), ("http", section_http),
-    ("memory", section_memory), ("tests", section_tests), ("throughput_1b", section_throughput_1b),
+    ("memory", section_memory), ("tests", section_tests), ("speculative", section_speculative),
+    ("splitting", section_splitting), ("graphs", section_graphs),
+    ("throughput_1b", section_throughput_1b),
 ]
 
 

@@ -16,6 +16,7 @@ LINEAR_KERNELS = ("auto", "torch")
 # Rows of an automatic max_rolling_batch_size where the KV budget does not set it (the CPU);
 # at least MAX_N (engine/request/sampling_params.py), so any job's `n` fits.
 AUTO_BATCH_ROWS = 32
+AUTO_SPLITS = 3
 
 
 def default_num_threads() -> int:
@@ -50,7 +51,8 @@ class EngineConfig:
     job_queue_size: int = 1000
     # Max-sparsity thresholding.
     max_sparsity: float = 0.33
-    max_splits: int = 3
+    # None: auto, `splits` (3; 1 on CUDA, where the engine sets it: docs/gpu.md).
+    max_splits: int | None = None
     # Decoding default for jobs that do not choose.
     decoding_strategy: str = "greedy"
     # Run all sub-batches in one forward call with attention split per sub-batch (models using
@@ -143,7 +145,7 @@ class EngineConfig:
             raise ConfigError("job_queue_size", self.job_queue_size, ">= 0")
         if not 0.0 <= self.max_sparsity <= 1.0:
             raise ConfigError("max_sparsity", self.max_sparsity, "a number in [0, 1]")
-        if self.max_splits < 1:
+        if self.max_splits is not None and self.max_splits < 1:
             raise ConfigError("max_splits", self.max_splits, ">= 1")
         if self.prompt_cache_bytes < 0:
             raise ConfigError("prompt_cache_bytes", self.prompt_cache_bytes, ">= 0")
@@ -188,6 +190,12 @@ class EngineConfig:
         0, AUTO_BATCH_ROWS (on CUDA the engine derives it from the KV budget instead, and runs
         with that value set)."""
         return self.max_rolling_batch_size or AUTO_BATCH_ROWS
+
+    @property
+    def splits(self) -> int:
+        """The most sub-batches a step runs: `max_splits`, or when that is unset, AUTO_SPLITS (on
+        CUDA the engine runs with 1 set instead)."""
+        return self.max_splits or AUTO_SPLITS
 
     @property
     def token_budget(self) -> int:

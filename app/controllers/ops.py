@@ -59,7 +59,7 @@ class OpsController(Controller):
             "dtype": str(engine.loaded.dtype).removeprefix("torch.") if engine else None,
             "engine": {"max_rolling_batch_size": (engine.config if engine else cfg).batch_rows,
                        "job_queue_size": cfg.job_queue_size, "max_sparsity": cfg.max_sparsity,
-                       "max_splits": cfg.max_splits, "decoding_strategy": cfg.decoding_strategy,
+                       "max_splits": (engine.config if engine else cfg).splits, "decoding_strategy": cfg.decoding_strategy,
                        "num_threads": cfg.threads, "quantize": cfg.quantize,
                        "kernels": _kernels(engine),
                        "speculative": {

@@ -86,11 +86,16 @@ def free_memory(config: EngineConfig, device: torch.device,
 
 def resolved(config: EngineConfig, budget: KvBudget | None,
              device: torch.device) -> EngineConfig:
-    """The configuration the engine runs with: on CUDA an automatic max_rolling_batch_size
-    is derived from the KV budget (`KvBudget.auto_rows`), below max_num_batched_tokens."""
-    if config.max_rolling_batch_size or budget is None or device.type != "cuda":
+    """The configuration the engine runs with. On CUDA an automatic max_splits is 1, since a GPU
+    pays little for padding and much for an attention call per sub-batch per layer
+    (docs/gpu.md); an automatic max_rolling_batch_size is derived from the KV budget
+    (`KvBudget.auto_rows`), below max_num_batched_tokens."""
+    if device.type != "cuda":
         return config
-    cap = AUTO_MAX_ROWS
-    if config.max_num_batched_tokens:
-        cap = min(cap, config.max_num_batched_tokens - 1)
-    return dataclasses.replace(config, max_rolling_batch_size=budget.auto_rows(cap))
+    changes: dict = {} if config.max_splits is not None else {"max_splits": 1}
+    if not config.max_rolling_batch_size and budget is not None:
+        cap = AUTO_MAX_ROWS
+        if config.max_num_batched_tokens:
+            cap = min(cap, config.max_num_batched_tokens - 1)
+        changes["max_rolling_batch_size"] = budget.auto_rows(cap)
+    return dataclasses.replace(config, **changes)

@@ -274,7 +274,7 @@ class Scheduler:
             fits = [i for i, n in enumerate(longest) if n >= s.kv_len]
             if fits:
                 groups[min(fits, key=lambda i: longest[i])].append(s)
-            elif len(groups) < self.config.max_splits:
+            elif len(groups) < self.config.splits:
                 groups.append([s])
             else:
                 return self.partition()
@@ -288,5 +288,5 @@ class Scheduler:
     def partition(self) -> list[list[Sequence]]:
         """Partition the running rows by their KV length (max-sparsity thresholding)."""
         lengths = [s.kv_len for s in self.running]
-        part = partition_by_sparsity(lengths, self.config.max_sparsity, self.config.max_splits)
+        part = partition_by_sparsity(lengths, self.config.max_sparsity, self.config.splits)
         return [[self.running[i] for i in group] for group in part.groups]

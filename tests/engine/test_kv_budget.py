@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import engine.kv.batch as batch_module
 import engine.kv.slab_sizing as sizing_module
 from engine import ConfigError, EngineConfig, InvalidParams, KvBudgetExceeded, SamplingParams
+from engine.core.sizing import resolved
 from engine.kv.batch import SubBatch
 from engine.kv.budget import (
     AUTO_MAX_ROWS,
@@ -82,6 +83,21 @@ def test_auto_rows_count_rows_of_2k_tokens_between_32_and_256():
     assert KvBudget(200 * GiB, per_token, 0).auto_rows() == AUTO_MAX_ROWS
     assert KvBudget(GiB, per_token, 0).auto_rows() == 32  # short rows still fill 32
     assert KvBudget(200 * GiB, per_token, 0).auto_rows(cap=100) == 100
+
+
+def test_the_engine_config_on_cuda_splits_once_and_sizes_rows_from_the_budget():
+    budget = KvBudget(60 * GiB, 128 * 1024, 0)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    on_gpu = resolved(EngineConfig(), budget, cuda)
+    assert (on_gpu.splits, on_gpu.max_rolling_batch_size) == (1, 240)
+    assert resolved(EngineConfig(max_num_batched_tokens=100), budget, cuda).batch_rows == 99
+    chosen = resolved(EngineConfig(max_splits=3, max_rolling_batch_size=8), budget, cuda)
+    assert (chosen.splits, chosen.batch_rows) == (3, 8)  # what the user set stands
+    on_cpu = resolved(EngineConfig(), budget, cpu)
+    assert (on_cpu.splits, on_cpu.batch_rows) == (3, 32)
+    with pytest.raises(ConfigError) as err:
+        EngineConfig(max_splits=0)
+    assert err.value.field == "max_splits"
 
 
 def test_config_validation():

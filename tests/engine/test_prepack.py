@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine import SamplingParams
+from engine import EngineConfig, SamplingParams, load_model
 from engine.model import llama_layers as lean
 from engine.model import prepack
 from engine.model.loader import LoadedModel
@@ -88,7 +88,8 @@ def test_quantised_layers_use_prepacked_weights_past_their_kernels_rows():
 
 
 def test_a_bf16_engine_generates_with_prepacked_layers(smollm2, make_engine):
-    model = copy.deepcopy(smollm2.model).to(torch.bfloat16)
+    # A fresh copy: engines made on the shared fixture replace its layers with block kernels.
+    model = load_model(EngineConfig(dtype="fp32")).model.to(torch.bfloat16)
     loaded = LoadedModel(model, smollm2.tokenizer, "bf16", smollm2.source, smollm2.device,
                          torch.bfloat16, 0.0, False)
     eng = make_engine(loaded)
