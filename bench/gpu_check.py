@@ -650,6 +650,10 @@ def section_throughput(c: Check) -> dict:
     return out
 
 
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=64)
+
+
 def section_throughput_1b(c: Check) -> dict:
     """A Llama-3.2-1B-shaped model (random bf16 weights made on the device, SmolLM2's vocabulary):
     128 prompts x 128 tokens at 32 and 128 rows, where the GPU does more than launch kernels."""
@@ -663,8 +667,7 @@ def section_throughput_1b(c: Check) -> dict:
 
     small = c.loaded("bf16")
     config = AutoConfig.from_pretrained(c.model_dir)
-    config.update(dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=64))
+    config.update(LLAMA_1B)
     torch.manual_seed(SEED)
     with torch.device(c.device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
@@ -903,11 +906,10 @@ def greedy_free(n: int):
 
 
 def section_splitting(c: Check) -> dict:
-    """Max-sparsity splitting on the device: 128 prompts x 64 tokens at 32 and 128 rows, with the
-    default splitting and with none (max_splits 1). Splitting saves padding, which a GPU hardly
-    pays for, at the price of an attention call per sub-batch per layer."""
-    from engine import EngineConfig
-
+    """Max-sparsity splitting on the device: 128 prompts x 64 tokens at 32 and 128 rows, with up
+    to 3 sub-batches (the CPU's default) and with none (max_splits 1, CUDA's). Splitting saves
+    padding, which a GPU hardly pays for, at the price of an attention call per sub-batch per
+    layer."""
     if c.quick:
         plans, n = [(4, 8)], 8
     else:
@@ -916,7 +918,8 @@ def section_splitting(c: Check) -> dict:
     prompts = c.prompts(plans[-1][1], loaded.tokenizer)
     out: dict = {}
     for rows, count in plans:
-        for label, splits in (("default", EngineConfig.max_splits), ("none", 1)):
+        for splits in (3, 1):
+            label = f"max_splits_{splits}"
             if c.left() < 25:
                 out[f"rows_{rows}_{label}"] = {"skipped": "out of time"}
                 continue
@@ -943,56 +946,73 @@ def section_splitting(c: Check) -> dict:
 def section_graphs(c: Check) -> dict:
     """What CUDA graphs would buy, before the engine has them: transformers' own model (bf16) over
     its StaticCache, one decode token per row, run eagerly and as one captured graph replayed,
-    at 1, 32 and 128 rows with 512 cached positions. Compare with throughput's engine step."""
+    at 1, 32 and 128 rows with 512 cached positions; SmolLM2-shaped and Llama-3.2-1B-shaped.
+    Compare with the engine's step in throughput and throughput_1b."""
     if not c.on_cuda:
         return {"skipped": "CUDA only"}
-    from transformers import AutoModelForCausalLM, StaticCache
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(c.model_dir, dtype=torch.bfloat16).to(c.device)
-    model.eval()
+    out = {"smollm2_shaped": _graph_runs(c, model.eval())}
+    del model
+    config = AutoConfig.from_pretrained(c.model_dir)
+    config.update(LLAMA_1B)
+    torch.manual_seed(SEED)
+    with torch.device(c.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    out["llama_1b_shaped"] = _graph_runs(c, model)
+    return out
+
+
+def _graph_runs(c: Check, model: torch.nn.Module) -> dict:
     cap, filled = 512, 320
     out: dict = {"cache_len": cap, "filled": filled}
     for rows in (1, 32, 128):
         if c.left() < 20:
             out[f"rows_{rows}"] = {"skipped": "out of time"}
             continue
-        row: dict = {}
         try:
-            cache = StaticCache(config=model.config, max_cache_len=cap)
-            ids = torch.randint(0, 1000, (rows, filled), device=c.device)
-            mask = torch.zeros(rows, 1, 1, cap, dtype=torch.bool, device=c.device)
-            mask[..., :filled + 1] = True
             with torch.inference_mode():
-                model(input_ids=ids, past_key_values=cache, use_cache=True,
-                      cache_position=torch.arange(filled, device=c.device))
-                tok = torch.zeros(rows, 1, dtype=torch.long, device=c.device)
-                pos = torch.full((rows, 1), filled, device=c.device)
-                cpos = torch.tensor([filled], device=c.device)
-
-                def step():
-                    return model(input_ids=tok, position_ids=pos, cache_position=cpos,
-                                 attention_mask=mask, past_key_values=cache,
-                                 use_cache=True).logits
-
-                row["eager_ms"] = _time_ms(step, c)
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(3):
-                        step()
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    logits = step()
-                row["graph_ms"] = _time_ms(graph.replay, c)
-                row["graph_equals_eager"] = bool(torch.equal(logits.clone(), step()))
-                row["speed_up"] = round(row["eager_ms"] / row["graph_ms"], 2)
+                out[f"rows_{rows}"] = _graph_run(c, model, rows, cap, filled)
         except Exception as exc:  # capture can refuse a model that synchronises; say where
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
-        out[f"rows_{rows}"] = row
+            out[f"rows_{rows}"] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
         gc.collect()
         torch.cuda.empty_cache()
     return out
+
+
+def _graph_run(c: Check, model: torch.nn.Module, rows: int, cap: int, filled: int) -> dict:
+    """One decode step of `rows` rows over `filled` cached positions: eager, then a graph."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=cap)
+    model(input_ids=torch.randint(0, 1000, (rows, filled), device=c.device),
+          past_key_values=cache, use_cache=True,
+          cache_position=torch.arange(filled, device=c.device))
+    mask = torch.zeros(rows, 1, 1, cap, dtype=torch.bool, device=c.device)
+    mask[..., :filled + 1] = True
+    inputs = dict(input_ids=torch.zeros(rows, 1, dtype=torch.long, device=c.device),
+                  position_ids=torch.full((rows, 1), filled, device=c.device),
+                  cache_position=torch.tensor([filled], device=c.device),
+                  attention_mask=mask, past_key_values=cache, use_cache=True)
+
+    def step() -> torch.Tensor:
+        return model(**inputs).logits
+
+    row = {"eager_ms": _time_ms(step, c)}
+    side = torch.cuda.Stream()  # capture wants its warm-up off the default stream
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = step()
+    row["graph_ms"] = _time_ms(graph.replay, c)
+    row["graph_equals_eager"] = bool(torch.equal(logits.clone(), step()))
+    row["speed_up"] = round(row["eager_ms"] / row["graph_ms"], 2)
+    return row
 
 
 def _time_ms(fn: Callable, c: Check, n: int = 30) -> float:

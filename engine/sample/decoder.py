@@ -165,7 +165,8 @@ class TokenDecoder:
                 tokens[i] = t
         sample = [i for i, st in enumerate(strategies) if st == "sample"]
         if sample:
-            picks = sample_rows(logits[sample], [seqs[i] for i in sample], self.generator)
+            rows = logits if len(sample) == len(seqs) else logits[to_device(sample, logits.device)]
+            picks = sample_rows(rows, [seqs[i] for i in sample], self.generator)
             for i, t in zip(sample, picks):
                 tokens[i] = t
         contrastive = [i for i, st in enumerate(strategies) if st == "contrastive"]

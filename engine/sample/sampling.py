@@ -99,6 +99,7 @@ def filter_logits(
     min_p: torch.Tensor,
     any_min_p: bool | None = None,
     ranked: list[int] | None = None,
+    max_top_k: int | None = None,
 ) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p, each per row (0 / 1.0 / 0 switch a filter off).
 
@@ -119,24 +120,26 @@ def filter_logits(
         ranked = ((top_k > 0) | (top_p < 1.0)).nonzero().squeeze(1).tolist()
     if ranked:
         rows = to_device(ranked, logits.device)
-        cut = _cut_ranked(scaled[rows], top_k[rows], top_p[rows])
+        cut = _cut_ranked(scaled[rows], top_k[rows], top_p[rows],
+                          int(top_k.max()) if max_top_k is None else max_top_k)
         out = out.clone() if out is scaled else out
         out[rows] = out[rows].masked_fill(cut, float("-inf"))
     return out
 
 
-def _cut_ranked(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _cut_ranked(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                max_top_k: int) -> torch.Tensor:
     """Where top-k or top-p removes a token ([rows, vocab] bool). The ranks and the mass before
     each token come from a partial sort of the CANDIDATES most likely tokens, or a full sort for
-    rows whose cut may lie beyond them."""
+    rows whose cut may lie beyond them. On a GPU the whole vocabulary is always sorted: that is
+    cheap there, and asking whether the candidates suffice would wait for the device."""
     vocab = logits.shape[-1]
-    k = min(vocab, max(CANDIDATES, int(top_k.max())))
+    k = vocab if logits.device.type != "cpu" else min(vocab, max(CANDIDATES, max_top_k))
     values, order = torch.topk(logits, k, dim=-1)  # sorted, most likely first
     probs = (values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
     mass = probs.cumsum(dim=-1)
     # Beyond the candidates, tokens survive only where neither filter has cut by then.
-    beyond = (top_k == 0) & (mass[:, -1] < top_p)
-    if k < vocab and bool(beyond.any()):
+    if k < vocab and bool(((top_k == 0) & (mass[:, -1] < top_p)).any()):
         values, order = torch.sort(logits, dim=-1, descending=True)
         probs = (values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
         mass, k = probs.cumsum(dim=-1), vocab
@@ -158,8 +161,8 @@ def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
          [x.top_p for x in params], [x.min_p for x in params]], logits.device, torch.float32)
     return filter_logits(logits, temperature, top_k.long(), top_p, min_p,
                          any_min_p=any(x.min_p > 0 for x in params),
-                         ranked=[i for i, x in enumerate(params) if x.top_k > 0 or x.top_p < 1.0]
-                         ).softmax(dim=-1)
+                         ranked=[i for i, x in enumerate(params) if x.top_k > 0 or x.top_p < 1.0],
+                         max_top_k=max(x.top_k for x in params)).softmax(dim=-1)
 
 
 def sample_rows(
