@@ -250,7 +250,7 @@ class EngineCore:
         so far kept (engine.sched.preemption); where none can, the newest job fails."""
         plan.out_of_memory = True
         self.recorder.totals.out_of_memory_steps += 1
-        preempted, failed = victims(self.scheduler.jobs_by_age(), lost)
+        preempted, failed = victims(self.scheduler.jobs_by_age(), lost, self.prefix_cache)
         for job in preempted:
             log.warning("out of memory (%s): job %s goes back to the queue", exc, job.job_id)
             self.scheduler.preempt(job)

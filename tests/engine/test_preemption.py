@@ -134,6 +134,24 @@ def test_a_job_that_cannot_fit_alone_fails_and_the_engine_goes_on(tiny_model, ma
     assert collect(fine)[0]["finish"] == "length"
 
 
+def test_a_job_alone_is_recomputed_once_the_prefix_cache_is_freed(tiny_model, make_engine,
+                                                                  monkeypatch):
+    """The prefix cache's KV may be what a job alone lacks: it is cleared, and the job is
+    recomputed rather than failed."""
+    eng = make_engine(tiny_model, max_rolling_batch_size=4)
+    writes = FailingWrites(eng, set(), after=1).install(monkeypatch)
+    first = eng.submit(list(range(10, 40)), greedy(8))
+    eng.run_until_idle()
+    want = collect(first)[0]
+    assert eng.prefix_cache.nbytes > 0
+    writes.steps = {eng.scheduler.step + 1}
+    again = eng.submit(list(range(10, 40)), greedy(8))
+    eng.run_until_idle()
+    got = collect(again)[0]
+    assert writes.raised and eng.stats().preemptions == 1
+    assert (got["finish"], got["tokens"]) == (want["finish"], want["tokens"])
+
+
 def test_only_rows_that_share_one_context_can_be_recomputed(tiny_model):
     params = SamplingParams(strategy="sample", n=2, max_new_tokens=8)
     job = new_job("j", [1, 2, 3], params, "sample", lambda d: None)
