@@ -94,13 +94,13 @@ class RollingBatch:
             result[gi] = sb
         self.sub_batches = result
 
-    def make_room(self, limit: int | None = None) -> None:
+    def make_room(self, limit: int | None = None, compact: bool = False) -> None:
         """Before a step's forward: give every sub-batch the columns its rows write
         (`SubBatch.reserve`). Under a `limit` (bytes) a move takes at most what the other
         sub-batches leave; when that is less than its claim, or the batch already holds more
-        than the limit (a prompt admitted since took its share), the others first give back
-        what their rows cannot use (`SubBatch.compact`)."""
-        if limit is not None and self.allocated_bytes() > limit:
+        than the limit (a prompt admitted since took its share), or when asked to `compact`,
+        the others first give back what their rows cannot use (`SubBatch.compact`)."""
+        if compact or (limit is not None and self.allocated_bytes() > limit):
             self._compact(keep=None)
         for sb in self.sub_batches:
             columns = sb.width + sb.feeds()

@@ -139,7 +139,7 @@ class ModelRunner:
                 new_rows.update((s, row) for s in job.seqs)
                 job.release_prompt()
             batch.regroup(plan.groups, new_rows, plan.kv_limit)
-        batch.make_room(plan.kv_limit)
+        batch.make_room(plan.kv_limit, plan.compact)
         return [self._chunk_input(c) for c in plan.chunks]
 
     def _chunk_input(self, chunk: PrefillChunk) -> Chunk:

@@ -46,6 +46,9 @@ class StepPlan:
     # Bytes the batch's slabs may hold this step: the KV budget's less the prompts being
     # prefilled (their KV is outside the batch); None: no KV budget.
     kv_limit: int | None = None
+    # After an allocation failure, slabs give back the rows and columns their rows cannot use
+    # (rows that leave a slab keep their memory otherwise).
+    compact: bool = False
     out_of_memory: bool = False  # set by the step: an allocation failure undid work in it
 
     @property

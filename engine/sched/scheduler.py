@@ -112,6 +112,7 @@ class Scheduler:
         if self.kv is not None:
             prompts = sum(len(j.fill_ids) for j in self.prefilling)
             plan.kv_limit = self.kv.batch - prompts * self.kv.per_token
+        plan.compact = self.pressure.cap is not None
         return plan
 
     def _fits(self, job: Job) -> bool:

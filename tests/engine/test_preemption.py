@@ -152,6 +152,30 @@ def test_a_job_alone_is_recomputed_once_the_prefix_cache_is_freed(tiny_model, ma
     assert (got["finish"], got["tokens"]) == (want["finish"], want["tokens"])
 
 
+def test_after_an_allocation_failure_slabs_give_back_the_rows_that_left(tiny_model, make_engine,
+                                                                        monkeypatch):
+    """One sub-batch (CUDA's default): the preempted job's row leaves the slab, and the slab
+    moves to a block of the rows left, or a job left alone would still hold every row's
+    memory and fail; outputs equal a run without the failure."""
+    prompts = [list(range(10 + i, 30 + 3 * i)) for i in range(6)]
+
+    def run(fail: set[int]) -> tuple[list[list[int]], dict[int, int]]:
+        eng = make_engine(tiny_model, max_rolling_batch_size=8, max_splits=1,
+                          prompt_cache_bytes=0)
+        FailingWrites(eng, fail, after=1).install(monkeypatch)
+        spare: dict[int, int] = {}
+        eng.add_step_listener(lambda st: spare.__setitem__(st.step, sum(
+            sb.allocated_bytes() - sb.claim_bytes() for sb in eng.batch.sub_batches)))
+        handles = [eng.submit(p, greedy(24)) for p in prompts]
+        eng.run_until_idle()
+        return [collect(h)[0]["tokens"] for h in handles], spare
+
+    want, _ = run(set())
+    got, spare = run({5})
+    assert got == want
+    assert spare[4] > 0 and spare[6] == 0  # a spare row before; none once the row left
+
+
 def test_only_rows_that_share_one_context_can_be_recomputed(tiny_model):
     params = SamplingParams(strategy="sample", n=2, max_new_tokens=8)
     job = new_job("j", [1, 2, 3], params, "sample", lambda d: None)
