@@ -14,6 +14,7 @@ views of a node, so a node can be split or evicted while a job still uses what i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -51,12 +52,12 @@ class _Node:
         return self.kv.nbytes if self.kv is not None else 0
 
 
-def _common(a: tuple[int, ...], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
+    """How many leading tokens `a` and `b` share (at most `limit`)."""
+    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
+    if list(a[:n]) == list(b[:n]):  # the usual case, compared in C
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
 
 
 def _gather(parts: list[tuple[PrefixEntry, int, int]], hidden: bool) -> PrefixEntry:
@@ -132,7 +133,7 @@ class RadixPrefixCache:
             child = node.children.get(ids[matched])
             if child is None or (need_hidden and child.kv.hidden is None):
                 break
-            n = _common(child.tokens, ids[matched:limit])
+            n = common_prefix(child.tokens, ids[matched:limit])
             path.append((child, n))
             matched += n
             if n < len(child.tokens):
@@ -162,7 +163,7 @@ class RadixPrefixCache:
                 self._nodes += 1
                 self._touch(leaf)
                 break
-            n = _common(child.tokens, ids[i:])
+            n = common_prefix(child.tokens, ids[i:])
             if n < len(child.tokens):
                 child = self._split(child, n)
             if kv.hidden is not None and child.kv.hidden is None:

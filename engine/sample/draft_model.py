@@ -23,6 +23,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
+from engine.kv.radix_cache import common_prefix
 from engine.model.loader import LoadedModel, load_model
 from engine.model.prepare import prepare
 from engine.model.runner import cache_keyword
@@ -42,7 +43,6 @@ class DraftModel:
     """Proposes drafts with a second, smaller model (see the module docstring)."""
 
     def __init__(self, loaded: LoadedModel, target_vocab: int):
-        self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
         self.target_vocab = target_vocab
@@ -102,7 +102,7 @@ class DraftModel:
         row = self._rows.get(key)
         if row is None:
             row = self._rows[key] = _Row([], DynamicCache(config=self.model.config))
-        shared = _shared_prefix(row.tokens, context, len(context) - 1)  # feed one at least
+        shared = common_prefix(row.tokens, context, len(context) - 1)  # feed one at least
         if shared < len(row.tokens):
             row.cache.crop(shared)
             del row.tokens[shared:]
@@ -119,12 +119,3 @@ class DraftModel:
             feed = [token]
         return out
 
-
-def _shared_prefix(a: list[int], b: list[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    if a[:n] == b[:n]:  # the usual case, compared in C
-        return n
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

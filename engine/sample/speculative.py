@@ -182,7 +182,7 @@ class Speculator:
         self._fed = False
         active = (self.k and 0 < len(rows) <= self.max_rows and not self._pause()
                   and self.payoff.pays(len(rows)))
-        if self.draft_model is not None:
+        if self.draft_model is not None and self.draft_model.rows:
             self.draft_model.keep_only({(s.job.job_id, s.index) for s in rows})
         for s in rows:
             s.draft = self._propose(s) if active else []

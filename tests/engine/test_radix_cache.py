@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.kv.radix_cache import PrefixEntry, RadixPrefixCache
+from engine.kv.radix_cache import PrefixEntry, RadixPrefixCache, common_prefix
 
 LAYERS, HEADS, DIM = 2, 1, 3
 
@@ -131,3 +131,14 @@ def test_matches_agree_with_brute_force(prompts, capacity_tokens, seed):
             assert any(s[: entry.length] == p[: entry.length] for s in seen)
             assert_entry_is(entry, p[: entry.length])
         cache.check_integrity()
+
+
+@given(st.lists(st.integers(0, 3), max_size=12), st.lists(st.integers(0, 3), max_size=12),
+       st.one_of(st.none(), st.integers(0, 14)))
+def test_common_prefix_counts_the_shared_head(a, b, limit):
+    want = 0
+    while want < min(len(a), len(b)) and a[want] == b[want]:
+        want += 1
+    if limit is not None:
+        want = min(want, limit)
+    assert common_prefix(tuple(a), b, limit) == want
