@@ -51,15 +51,16 @@ class OpsController(Controller):
 
         cfg = gw.settings.engine
         engine = gw.engine
+        running = engine.config if engine else cfg  # as the engine resolved it (auto values)
         return {
             "version": __version__,
             "model": gw.model_name,
             "max_model_len": engine.max_model_len if engine else None,
             "device": str(engine.loaded.device) if engine else None,
             "dtype": str(engine.loaded.dtype).removeprefix("torch.") if engine else None,
-            "engine": {"max_rolling_batch_size": (engine.config if engine else cfg).batch_rows,
+            "engine": {"max_rolling_batch_size": running.batch_rows,
                        "job_queue_size": cfg.job_queue_size, "max_sparsity": cfg.max_sparsity,
-                       "max_splits": (engine.config if engine else cfg).splits, "decoding_strategy": cfg.decoding_strategy,
+                       "max_splits": running.splits, "decoding_strategy": cfg.decoding_strategy,
                        "num_threads": cfg.threads, "quantize": cfg.quantize,
                        "kernels": _kernels(engine),
                        "speculative": {
