@@ -103,9 +103,9 @@ class EngineConfig:
     # engine/model/lowbit.py; bf16 ones: engine/model/quantize.py) | w8a8, int8 weights and
     # activations for forwards of many rows (fp32 models on x86: engine/model/w8a8.py).
     quantize: str = "none"
-    # Linear layers of fp32 CPU models: auto multiplies forwards of few rows through seqgate's
-    # 4/8-bit block kernels (engine/model/lowbit.py) where the weights are exact blocks or
-    # `quantize` rounds them; torch keeps PyTorch's products on the fp32 weights.
+    # Linear layers of CPU models: auto multiplies forwards of few rows through seqgate's
+    # 4/8-bit block kernels (engine/model/lowbit.py) where the weights are exact blocks (in
+    # bf16: blocks rounded to bf16) or `quantize` rounds them; torch keeps PyTorch's products.
     linear_kernel: str = "auto"
     # torch intra-op threads; 0 picks a default from the cores available.
     num_threads: int = 0

@@ -84,6 +84,19 @@ def exact_blocks(weight: torch.Tensor) -> Blocks | None:
             or _h16(weight, torch.float16))
 
 
+def blocks_of_bf16(weight: torch.Tensor) -> Blocks | None:
+    """Q4_1 or Q8_0 blocks whose fp32 weights round to exactly these bf16 ones; None where none
+    do. A GGUF model loaded in bf16 gets its blocks back this way: the fp16 scales recomputed
+    from the rounded values snap back to the file's (every layer of the embedded SmolLM2)."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % BLOCK:
+        return None
+    for kind in ("q4", "q8"):
+        blocks = rounded_blocks(weight.float(), kind)
+        if blocks is not None and torch.equal(blocks.dense().to(torch.bfloat16), weight):
+            return blocks
+    return None
+
+
 def rounded_blocks(weight: torch.Tensor, kind: str) -> Blocks | None:
     """The weights rounded to `kind` blocks; None where they do not fit (columns not a multiple
     of 32, or values beyond float16's range)."""

@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.model.blocks import Blocks, exact_blocks, rounded_blocks
+from engine.model import onednn
+from engine.model.blocks import Blocks, blocks_of_bf16, exact_blocks, rounded_blocks
 from engine.model.host_timing import best_of, cached, torch_threads
 
 log = logging.getLogger("seqgate.engine")
@@ -48,8 +49,9 @@ CANDIDATE_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
 
 class BlockLinear(torch.nn.Module):
-    """A linear layer whose fp32 `weight` is also held in blocks: forwards of at most
-    `max_rows` rows multiply through the kernel, larger ones through `F.linear`."""
+    """A linear layer whose fp32 or bf16 `weight` is also held in blocks: forwards of at most
+    `max_rows` rows multiply through the kernel (in fp32), larger ones through `F.linear`, or
+    oneDNN's product on `dense_packed` (bf16, engine.model.prepack)."""
 
     def __init__(self, linear: torch.nn.Linear, blocks: Blocks, ops, max_rows: int,
                  weight: torch.nn.Parameter | None = None):
@@ -68,6 +70,7 @@ class BlockLinear(torch.nn.Module):
         self.ops = ops
         self.max_rows = max_rows
         self.rounded = False  # True where `install` rounded the weights (quantize)
+        self.dense_packed: torch.Tensor | None = None
 
     @classmethod
     def stacked(cls, parts: list[BlockLinear]) -> BlockLinear | None:
@@ -99,6 +102,10 @@ class BlockLinear(torch.nn.Module):
                                  split(blocks.d), split(blocks.m)):
             p.weight = torch.nn.Parameter(w, requires_grad=False)
             p.q, p.d, p.m = q, d, m
+        if first.dense_packed is not None:  # the stacked layer's copy serves; theirs would idle
+            layer.dense_packed = onednn.pack(layer.weight)
+            for p in parts:
+                p.dense_packed = None
         return layer
 
     def kernel_product(self, flat: torch.Tensor) -> torch.Tensor:
@@ -111,10 +118,16 @@ class BlockLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] > self.max_rows or x.dtype != torch.float32 or x.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)
-        out = self.kernel_product(flat.contiguous()).view(*x.shape[:-1], self.out_features)
+        if flat.shape[0] > self.max_rows or x.dtype != self.weight.dtype or x.device.type != "cpu":
+            return self.dense_product(x)
+        out = self.kernel_product(flat.float().contiguous()).to(x.dtype)
+        out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
+
+    def dense_product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense_packed is not None and x.dtype == torch.bfloat16:
+            return onednn.product(x, self.dense_packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -139,7 +152,9 @@ def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
             build_key: str = "", threads: int | None = None) -> LowbitReport:
     """Give the fp32 CPU linear layers of `model` blocks (in place): exact ones where
     `quantize` is none, rounded ones for int4 (layers Q4_1, the output head Q8_0) and int8
-    (all Q8_0). Layers with hooks, or whose shape or values do not fit, stay as they are.
+    (all Q8_0). bf16 layers get blocks where `quantize` is none and their values are blocks'
+    rounded to bf16 (`blocks_of_bf16`), and a copy packed for oneDNN for larger forwards.
+    Layers with hooks, or whose shape or values do not fit, stay as they are.
     The row limit is timed with `threads` torch threads (the engine thread's; None: this
     thread's)."""
     head = model.get_output_embeddings()
@@ -150,11 +165,16 @@ def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
             if type(child) is BlockLinear:
                 kept.append(child)
                 continue
-            if (type(child) is not torch.nn.Linear or child.weight.dtype != torch.float32
+            if type(child) is not torch.nn.Linear:
+                continue
+            bf16 = child.weight.dtype == torch.bfloat16 and quantize == "none"
+            if (not (child.weight.dtype == torch.float32 or bf16)
                     or child.weight.device.type != "cpu"
                     or child._forward_hooks or child._forward_pre_hooks):
                 continue
-            if quantize == "none":
+            if bf16:
+                blocks, weight = blocks_of_bf16(child.weight), None
+            elif quantize == "none":
                 blocks, weight = exact_blocks(child.weight), None
             else:
                 kind = "q4" if quantize == "int4" and child is not head else "q8"
@@ -164,6 +184,8 @@ def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
             if blocks is not None:
                 layer = BlockLinear(child, blocks, ops, 0, weight)
                 layer.rounded = weight is not None
+                if bf16 and onednn.supported(layer.weight):  # timed against what serves
+                    layer.dense_packed = onednn.pack(layer.weight)
                 made.append((parent, name, layer))
     for parent, name, layer in made:
         setattr(parent, name, layer)
@@ -182,7 +204,8 @@ def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
 
 
 def _signature(layers: list[BlockLinear], build_key: str) -> str:
-    shapes = sorted({(b.kind, b.out_features, b.in_features) for b in layers})
+    shapes = sorted({(b.kind, b.out_features, b.in_features, str(b.weight.dtype))
+                     for b in layers})
     return json.dumps([build_key, torch.get_num_threads(), len(layers), shapes, CANDIDATE_ROWS])
 
 
@@ -202,7 +225,8 @@ def _max_rows(layers: list[BlockLinear], cache: Path | None,
 def choose_max_rows(layers: list[BlockLinear], rows: tuple[int, ...] = CANDIDATE_ROWS
                     ) -> tuple[int, dict]:
     """The largest row count at which one pass over every layer is faster through the kernel
-    than through PyTorch's fp32 product, and the timings (ms, best of two) it was chosen by.
+    than through the product that serves larger forwards (PyTorch's fp32 one, or oneDNN's bf16
+    one), and the timings (ms, best of two) it was chosen by.
     Every layer of the model takes part, so the weights come from memory as in a decode step;
     it stops after two row counts in a row where PyTorch wins."""
     timings: dict[str, list[float]] = {}
@@ -212,11 +236,11 @@ def choose_max_rows(layers: list[BlockLinear], rows: tuple[int, ...] = CANDIDATE
         for n in rows:
             for layer in layers:
                 if layer.in_features not in inputs or inputs[layer.in_features].shape[0] != n:
-                    inputs[layer.in_features] = torch.randn(n, layer.in_features)
-            kernel = best_of(2, lambda: [b.kernel_product(inputs[b.in_features])
-                                          for b in layers])
-            dense = best_of(2, lambda: [F.linear(inputs[b.in_features], b.weight)
-                                         for b in layers])
+                    inputs[layer.in_features] = torch.randn(n, layer.in_features,
+                                                            dtype=layer.weight.dtype)
+            kernel = best_of(2, lambda: [b.kernel_product(inputs[b.in_features].float())
+                                          .to(b.weight.dtype) for b in layers])
+            dense = best_of(2, lambda: [b.dense_product(inputs[b.in_features]) for b in layers])
             timings[str(n)] = [round(kernel * 1e3, 3), round(dense * 1e3, 3)]
             if kernel < dense:
                 best, losses = n, 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.model.lowbit import BlockLinear
 from engine.model.onednn import pack, product, supported
 from engine.model.quantize import PackedLinear
 
@@ -41,14 +42,16 @@ class PrepackedLinear(torch.nn.Linear):
 
 def install(model: torch.nn.Module) -> int:
     """Replace every plain bf16 `nn.Linear` of `model` with a PrepackedLinear (in place), and
-    give quantised layers (engine.model.quantize) a prepacked copy of their de-quantised weights for
-    the forwards too large for their kernels; returns how many layers got one. Layers with
+    give quantised and block layers (engine.model.quantize, engine.model.lowbit) a prepacked
+    copy of their bf16 weights for the forwards too large for their kernels; returns how many
+    layers have one. Layers with
     hooks keep theirs (a new module would drop them)."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is PackedLinear and supported(child.weight):
-                child.dense_packed = pack(child.weight)
+            if type(child) in (PackedLinear, BlockLinear) and supported(child.weight):
+                if child.dense_packed is None:
+                    child.dense_packed = pack(child.weight)
                 count += 1
                 continue
             if (type(child) is not torch.nn.Linear or not supported(child.weight)

@@ -43,13 +43,16 @@ def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
     cpu = loaded.device.type == "cpu"
     # Tensor parallelism's layers go through hooks, which these would bypass.
     single = config.tensor_parallel_degree == 1
-    fp32 = model.get_output_embeddings().weight.dtype == torch.float32
+    dtype = model.get_output_embeddings().weight.dtype
+    fp32 = dtype == torch.float32
+    # bf16 layers whose values are a GGUF's blocks get them back for forwards of few rows.
+    blockable = fp32 or (dtype == torch.bfloat16 and config.quantize == "none")
     ops = None
-    if cpu and single and ((fp32 and config.linear_kernel == "auto")
+    if cpu and single and ((blockable and config.linear_kernel == "auto")
                            or config.decode_attention == "auto"):
         ops = native.kernels(cache_dir(config))
     blocks = lowbit.LowbitReport()
-    if cpu and single and fp32 and ops is not None and config.linear_kernel == "auto":
+    if cpu and single and blockable and ops is not None and config.linear_kernel == "auto":
         exact = "none" if config.quantize == "w8a8" else config.quantize
         blocks = lowbit.install(model, ops, exact, cache_dir(config), native.build_key(),
                                 config.threads)

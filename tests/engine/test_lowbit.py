@@ -15,8 +15,9 @@ import torch
 from engine import EngineConfig, LoadedModel, SamplingParams
 from engine.kernels import native
 from engine.model import lowbit
-from engine.model.blocks import BLOCK, exact_blocks, rounded_blocks
+from engine.model.blocks import BLOCK, blocks_of_bf16, exact_blocks, rounded_blocks
 from engine.model.lowbit import BlockLinear
+from engine.model.onednn import supported as onednn_bf16
 from engine.model.prepare import original_model, prepare
 from tests.engine.helpers import collect, reference_greedy, varied_prompts
 from tests.engine.test_native import needs_kernel
@@ -207,6 +208,55 @@ def test_the_embedded_model_is_q4_1_with_a_q8_0_head(smollm2):
     off = _fresh(smollm2)
     assert prepare(off, EngineConfig(linear_kernel="torch")).lowbit.mode == "off"
     assert not any(isinstance(m, BlockLinear) for m in off.model.modules())
+
+
+def test_a_gguf_model_loaded_in_bf16_gets_its_blocks_back(smollm2):
+    """Every layer of the embedded Q4_1 model, rounded to bf16, yields blocks that hold its
+    fp32 weights exactly; bf16 weights that are no blocks' yield none."""
+    model = _fresh(smollm2).model
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert len(linears) == 211
+    for layer in linears:
+        blocks = blocks_of_bf16(layer.weight.detach().bfloat16())
+        assert blocks is not None and torch.equal(blocks.dense(), layer.weight.float())
+    noise = (torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 0.05)
+    assert blocks_of_bf16(noise.bfloat16()) is None
+    assert blocks_of_bf16(_q4_weight(64, 128)) is None  # fp32: exact_blocks' case
+
+
+@needs_kernel
+def test_a_bf16_engine_multiplies_few_rows_through_the_blocks(smollm2, make_engine):
+    """bf16 layers holding a GGUF's blocks compute forwards of few rows from the blocks, in
+    fp32 (the file's own weights), larger ones through oneDNN's bf16 product."""
+    loaded = _fresh(smollm2)
+    loaded = LoadedModel(loaded.model.to(torch.bfloat16), loaded.tokenizer, loaded.name,
+                         loaded.source, loaded.device, torch.bfloat16, 0.0, False)
+    eng = make_engine(loaded, prompt_cache_bytes=0)
+    report = eng.linear_blocks
+    assert (report.mode, report.q4_layers, report.q8_layers) == ("exact", 210, 1)
+    layer = loaded.model.model.layers[3].mlp.down_proj
+    assert isinstance(layer, BlockLinear) and layer.weight.dtype == torch.bfloat16
+    x = torch.randn(1, layer.in_features, generator=torch.Generator().manual_seed(2)).bfloat16()
+    exact = x.float() @ blocks_dense(layer).T  # the file's fp32 weights
+    layer.max_rows = 8
+    few = layer(x)
+    assert few.dtype == torch.bfloat16
+    assert torch.allclose(few.float(), exact, rtol=1e-2, atol=1e-3)
+    layer.max_rows = 0
+    assert (layer.dense_packed is not None) == onednn_bf16(layer.weight)
+    many = layer(x)
+    assert torch.allclose(many.float(), exact, rtol=5e-2, atol=5e-2)
+    assert (few.float() - exact).abs().mean() < (many.float() - exact).abs().mean()
+    ids = loaded.tokenizer.encode("The capital of France is")
+    handle = eng.submit(ids, SamplingParams(strategy="greedy", max_new_tokens=8))
+    eng.run_until_idle()
+    assert "Paris" in collect(handle)[0]["text"]
+
+
+def blocks_dense(layer: BlockLinear) -> torch.Tensor:
+    from engine.model.blocks import Blocks
+
+    return Blocks(layer.kind, layer.q, layer.d, layer.m).dense()
 
 
 @needs_kernel
