@@ -625,29 +625,36 @@ def section_throughput(c: Check) -> dict:
             out[f"rows_{rows}"] = {"skipped": "out of time"}
             continue
         eng = c.engine(dtype, max_rolling_batch_size=rows, prompt_cache_bytes=0)
-        warm = eng.submit(prompts[0], greedy(4))
-        eng.run_until_idle()
-        drain(warm)
-        if c.on_cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        handles = [eng.submit(prompts[i % len(prompts)], greedy(n)) for i in range(count)]
-        stats = eng.run_until_idle()
-        wall = time.perf_counter() - t0
-        tokens = sum(len(drain(h)[0]["tokens"]) for h in handles)
-        steps = [s.seconds for s in stats
-                 if s.decode_rows == min(rows, count) and not s.prefill_tokens]
+        timed, stats = serve_timed(c, eng, prompts, count, n)
         out[f"rows_{rows}"] = {
-            "requests": count, "tokens": tokens, "seconds": round(wall, 2),
-            "tokens_per_s": round(tokens / wall, 1),
-            "decode_step_ms_p50": round(statistics.median(steps) * 1e3, 2) if steps else None,
-            "steps": len(stats),
+            "requests": count, **timed, "steps": len(stats),
             "peak_memory_mib": (round(torch.cuda.max_memory_allocated() / 2**20)
                                 if c.on_cuda else None),
             "peak_kv_mib": round(eng.stats().peak_kv_bytes / 2**20, 1)}
         release(eng)
     return out
+
+
+def serve_timed(c: Check, eng, prompts: list[list[int]], count: int, n: int) -> tuple[dict, list]:
+    """A warm-up request, then `count` greedy requests of `n` tokens over `prompts` submitted
+    at once: tokens, seconds, tokens/s and the p50 of decode-only steps at full rows; and the
+    step stats."""
+    warm = eng.submit(prompts[0], greedy(4))
+    eng.run_until_idle()
+    drain(warm)
+    if c.on_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    handles = [eng.submit(prompts[i % len(prompts)], greedy(n)) for i in range(count)]
+    stats = eng.run_until_idle()
+    wall = time.perf_counter() - t0
+    tokens = sum(len(drain(h)[0]["tokens"]) for h in handles)
+    full = min(eng.config.batch_rows, count)
+    steps = [s.seconds for s in stats if s.decode_rows == full and not s.prefill_tokens]
+    return {"tokens": tokens, "seconds": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
+            "decode_step_ms_p50": round(statistics.median(steps) * 1e3, 2) if steps else None
+            }, stats
 
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -679,21 +686,9 @@ def section_throughput_1b(c: Check) -> dict:
         eng = Engine(EngineConfig(device=str(c.device), max_rolling_batch_size=rows,
                                   prompt_cache_bytes=0), loaded=loaded)
         eng.start(background=False)
-        warm = eng.submit(prompts[0], greedy(4))
-        eng.run_until_idle()
-        drain(warm)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        handles = [eng.submit(ids, greedy(128)) for ids in prompts]
-        stats = eng.run_until_idle()
-        wall = time.perf_counter() - t0
-        tokens = sum(len(drain(h)[0]["tokens"]) for h in handles)
-        steps = [s.seconds for s in stats if s.decode_rows == rows and not s.prefill_tokens]
+        timed, _ = serve_timed(c, eng, prompts, len(prompts), 128)
         out[f"rows_{rows}"] = {
-            "tokens": tokens, "seconds": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
-            "decode_step_ms_p50": round(statistics.median(steps) * 1e3, 2) if steps else None,
-            "peak_memory_mib": round(torch.cuda.max_memory_allocated() / 2**20)}
+            **timed, "peak_memory_mib": round(torch.cuda.max_memory_allocated() / 2**20)}
         release(eng)
     return out
 
@@ -925,19 +920,10 @@ def section_splitting(c: Check) -> dict:
                 continue
             eng = c.engine("bf16" if c.on_cuda else "fp32", max_rolling_batch_size=rows,
                            prompt_cache_bytes=0, max_splits=splits)
-            warm = eng.submit(prompts[0], greedy(4))
-            eng.run_until_idle()
-            drain(warm)
-            _sync(c)
-            t0 = time.perf_counter()
-            handles = [eng.submit(prompts[i % len(prompts)], greedy(n)) for i in range(count)]
-            stats = eng.run_until_idle()
-            wall = time.perf_counter() - t0
-            tokens = sum(len(drain(h)[0]["tokens"]) for h in handles)
-            steps = [s.seconds for s in stats if s.decode_rows == rows and not s.prefill_tokens]
+            timed, stats = serve_timed(c, eng, prompts, count, n)
             out[f"rows_{rows}_{label}"] = {
-                "tokens_per_s": round(tokens / wall, 1),
-                "decode_step_ms_p50": round(statistics.median(steps) * 1e3, 2) if steps else None,
+                "tokens_per_s": timed["tokens_per_s"],
+                "decode_step_ms_p50": timed["decode_step_ms_p50"],
                 "mean_sub_batches": round(statistics.mean(s.sub_batches for s in stats), 2)}
             release(eng)
     return out

@@ -159,14 +159,12 @@ class TokenDecoder:
         strategies = [s.job.strategy for s in seqs]
         greedy = [i for i, st in enumerate(strategies) if st == "greedy"]
         if greedy:
-            rows = logits if len(greedy) == len(seqs) else logits[to_device(greedy, logits.device)]
-            picks = rows.argmax(dim=-1).tolist()
+            picks = _take(logits, greedy).argmax(dim=-1).tolist()
             for i, t in zip(greedy, picks):
                 tokens[i] = t
         sample = [i for i, st in enumerate(strategies) if st == "sample"]
         if sample:
-            rows = logits if len(sample) == len(seqs) else logits[to_device(sample, logits.device)]
-            picks = sample_rows(rows, [seqs[i] for i in sample], self.generator)
+            picks = sample_rows(_take(logits, sample), [seqs[i] for i in sample], self.generator)
             for i, t in zip(sample, picks):
                 tokens[i] = t
         contrastive = [i for i, st in enumerate(strategies) if st == "contrastive"]
@@ -291,3 +289,8 @@ class TokenDecoder:
             # Text held back for an incomplete character or a partial stop match goes out now.
             text, stopped = s.stops.feed(s.detok.flush())
             s.out_text.append(text if stopped else text + s.stops.flush())
+
+
+def _take(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`logits[rows]`, the index sent through staging (a host list would be copied waiting)."""
+    return logits if len(rows) == logits.shape[0] else logits[to_device(rows, logits.device)]
