@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from engine.model import onednn
 from engine.model.blocks import Blocks, blocks_of_bf16, exact_blocks, rounded_blocks
@@ -125,9 +124,7 @@ class BlockLinear(torch.nn.Module):
         return out if self.bias is None else out + self.bias
 
     def dense_product(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense_packed is not None and x.dtype == torch.bfloat16:
-            return onednn.product(x, self.dense_packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return onednn.linear(x, self.weight, self.dense_packed, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

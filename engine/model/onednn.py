@@ -19,6 +19,15 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+           bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, through `product` where `packed` holds the weight's copy
+    and `x` is bf16."""
+    if packed is not None and x.dtype == torch.bfloat16:
+        return product(x, packed, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` with `packed = pack(weight)` (x bf16 on the CPU)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -141,9 +141,7 @@ class PackedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] > self.max_rows or x.dtype != self.weight.dtype:
-            if self.dense_packed is not None and x.dtype == torch.bfloat16:
-                return onednn.product(x, self.dense_packed, self.bias)
-            return torch.nn.functional.linear(x, self.weight, self.bias)
+            return onednn.linear(x, self.weight, self.dense_packed, self.bias)
         out = self.packed_product(flat.contiguous()).reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
