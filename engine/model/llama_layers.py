@@ -233,8 +233,24 @@ def fits(layer: torch.nn.Module) -> bool:
             and not attn.training and not _hooked(layer))
 
 
+class _WholeSlices(torch.nn.ModuleList):
+    """A ModuleList whose slice over all of it is itself. transformers' models run
+    `for layer in self.layers[: self.config.num_hidden_layers]`, and a ModuleList's slice is a
+    new ModuleList, built with one `add_module` per layer on every forward (about 0.4 ms of a
+    4-14 ms one-row step for SmolLM2's 30 layers)."""
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice) and idx.indices(len(self)) == (0, len(self), 1):
+            return self
+        return super().__getitem__(idx)
+
+
 def install(model: torch.nn.Module) -> int:
-    """Give every fitting decoder layer the lean forward; returns how many got it."""
+    """Give every fitting decoder layer the lean forward; returns how many got it. The stacks
+    of layers (ModuleLists named `layers`) hand themselves out for a whole slice."""
+    for name, module in model.named_modules():
+        if type(module) is torch.nn.ModuleList and name.rsplit(".", 1)[-1] == "layers":
+            module.__class__ = _WholeSlices
     count = 0
     for module in model.modules():
         if fits(module):

@@ -108,7 +108,8 @@ class BlockLinear(torch.nn.Module):
         return layer
 
     def kernel_product(self, flat: torch.Tensor) -> torch.Tensor:
-        """`flat` [rows, in_features] (fp32, rows contiguous) times the weights, no bias."""
+        """`flat` [rows, in_features] (fp32 or bf16, rows contiguous) times the weights, no
+        bias, computed in fp32 (the result in `flat`'s dtype)."""
         if self.kind == "q4":
             return self.ops.q4_linear(flat, self.q, self.d, self.m)
         if self.kind == "q8":
@@ -119,7 +120,7 @@ class BlockLinear(torch.nn.Module):
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] > self.max_rows or x.dtype != self.weight.dtype or x.device.type != "cpu":
             return self.dense_product(x)
-        out = self.kernel_product(flat.float().contiguous()).to(x.dtype)
+        out = self.kernel_product(flat.contiguous())  # bf16 rows: widened and rounded there
         out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
@@ -235,8 +236,8 @@ def choose_max_rows(layers: list[BlockLinear], rows: tuple[int, ...] = CANDIDATE
                 if layer.in_features not in inputs or inputs[layer.in_features].shape[0] != n:
                     inputs[layer.in_features] = torch.randn(n, layer.in_features,
                                                             dtype=layer.weight.dtype)
-            kernel = best_of(2, lambda: [b.kernel_product(inputs[b.in_features].float())
-                                          .to(b.weight.dtype) for b in layers])
+            kernel = best_of(2, lambda: [b.kernel_product(inputs[b.in_features])
+                                          for b in layers])
             dense = best_of(2, lambda: [b.dense_product(inputs[b.in_features]) for b in layers])
             timings[str(n)] = [round(kernel * 1e3, 3), round(dense * 1e3, 3)]
             if kernel < dense:

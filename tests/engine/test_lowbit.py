@@ -108,10 +108,22 @@ def test_the_kernel_computes_the_layer_of_the_blocks_weights(ops, kind, rows):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 20])  # a pass per row group, and the tiled product
+def test_bf16_rows_give_the_fp32_product_rounded(ops, rows):
+    """A bf16 model's rows go to the kernel as they are: the result is, bit for bit, the fp32
+    product of the widened rows rounded to bf16 (the two conversions it saves the caller)."""
+    blocks = exact_blocks(_q4_weight(48, 4 * BLOCK))
+    x = torch.randn(rows, 4 * BLOCK).bfloat16()
+    got = ops.q4_linear(x, blocks.q, blocks.d, blocks.m)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, ops.q4_linear(x.float(), blocks.q, blocks.d, blocks.m).bfloat16())
+
+
+@needs_kernel
 def test_the_kernel_refuses_what_it_does_not_take(ops):
     blocks = exact_blocks(_q4_weight(16, 2 * BLOCK))
-    with pytest.raises(RuntimeError, match="float32"):
-        ops.q4_linear(torch.randn(2, 2 * BLOCK).bfloat16(), blocks.q, blocks.d, blocks.m)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.q4_linear(torch.randn(2, 2 * BLOCK).half(), blocks.q, blocks.d, blocks.m)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ops.q4_linear(torch.randn(2, 2 * BLOCK - 1), blocks.q, blocks.d, blocks.m)
     with pytest.raises(RuntimeError, match="weights"):

@@ -256,8 +256,10 @@ void many_rows(const Weights& w, const float* xt, int64_t ldt, int64_t rows, flo
 }
 
 void check(const at::Tensor& x, const at::Tensor& q, int64_t row_bytes) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
-                  x.stride(1) == 1, "x: a CPU float32 matrix with contiguous rows");
+  TORCH_CHECK(x.device().is_cpu() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.dim() == 2 && x.stride(1) == 1,
+              "x: a CPU float32 or bfloat16 matrix with contiguous rows");
   TORCH_CHECK(x.size(1) % kBlock == 0, "x: columns a multiple of 32");
   const int64_t width = x.size(1) / kBlock * row_bytes / q.element_size();
   TORCH_CHECK(q.is_contiguous() && q.dim() == 2 && q.size(1) == width,
@@ -272,8 +274,14 @@ void check(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, int64_
               "scales: [out, ", blocks, "] float16 contiguous");
 }
 
+// The product in fp32; bf16 rows are widened first and the result rounded back (what
+// x.float() and .to(torch.bfloat16) around the call would do, without two more operator calls
+// from Python per layer: at one row those cost about as much as a small layer's product).
 template <Kind K>
-at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t out) {
+at::Tensor linear(const at::Tensor& input, const Weights& w, int64_t out) {
+  if (input.scalar_type() == at::kBFloat16)
+    return linear<K>(input.to(at::kFloat), w, out).to(at::kBFloat16);
+  const at::Tensor& x = input;
   at::Tensor y = at::empty({x.size(0), out}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -300,7 +308,8 @@ at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t out) {
   return y;
 }
 
-// x [rows, in] float32; q [out, in / 2] uint8; d, m [out, in / 32] float16 -> [rows, out].
+// x [rows, in] float32 or bfloat16 (the result alike); q [out, in / 2] uint8; d, m [out, in / 32]
+// float16 -> [rows, out].
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d,
                      const at::Tensor& m) {
   check(x, q, d, kBlock / 2);
@@ -312,7 +321,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   return linear<Kind::Q4>(x, w, q.size(0));
 }
 
-// x [rows, in] float32; q [out, in] int8; d [out, in / 32] float16 -> [rows, out].
+// x [rows, in] float32 or bfloat16; q [out, in] int8; d [out, in / 32] float16 -> [rows, out].
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d) {
   check(x, q, d, kBlock);
   TORCH_CHECK(q.scalar_type() == at::kChar, "weights: int8");
@@ -321,7 +330,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   return linear<Kind::Q8>(x, w, q.size(0));
 }
 
-// x [rows, in] float32; w [out, in] bfloat16 or float16 -> [rows, out].
+// x [rows, in] float32 or bfloat16; w [out, in] bfloat16 or float16 -> [rows, out].
 at::Tensor h16_linear(const at::Tensor& x, const at::Tensor& w) {
   const bool bf16 = w.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || w.scalar_type() == at::kHalf, "weights: bfloat16 or float16");
