@@ -250,7 +250,12 @@ class EngineCore:
         so far kept (engine.sched.preemption); where none can, the newest job fails."""
         plan.out_of_memory = True
         self.recorder.totals.out_of_memory_steps += 1
-        preempted, failed = victims(self.scheduler.jobs_by_age(), lost, self.prefix_cache)
+        cache = self.prefix_cache
+        preempted, failed, clear_cache = victims(self.scheduler.jobs_by_age(), lost,
+                                                 cache.nbytes if cache is not None else 0)
+        if clear_cache:
+            log.warning("out of memory: the prefix cache's %d bytes are freed", cache.nbytes)
+            cache.clear()
         for job in preempted:
             log.warning("out of memory (%s): job %s goes back to the queue", exc, job.job_id)
             self.scheduler.preempt(job)

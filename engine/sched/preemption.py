@@ -8,39 +8,42 @@ admission at the rows left, a row more every EASE_STEPS steps without another fa
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
+from typing import NamedTuple
 
-from engine.kv.radix_cache import RadixPrefixCache
 from engine.request.job import Job, Sequence
-
-log = logging.getLogger("seqgate.engine")
 
 # Steps without an out-of-memory failure after which the admission cap grows by a row.
 EASE_STEPS = 16
 
 
-def victims(jobs: list[Job], lost: list[Job],
-            cache: RadixPrefixCache | None = None) -> tuple[list[Job], list[Job]]:
-    """(to preempt, to fail) after an allocation failure, from the admitted `jobs`, most
-    recently admitted first. The jobs whose rows a failed layout lost must be recomputed; else
-    the newest job that can be (`Job.recomputable`) gives its memory back. A job alone in the
-    engine cannot fit at all, and where no job can be recomputed the newest fails; but first
-    the prefix `cache` is cleared, since its KV may be what that job lacks, and the job is
+class Victims(NamedTuple):
+    """What a failed step gives back: jobs to recompute, jobs to fail, and whether the prefix
+    cache is to be cleared first (the caller clears it: choosing frees nothing itself)."""
+
+    preempt: list[Job]
+    fail: list[Job]
+    clear_cache: bool = False
+
+
+def victims(jobs: list[Job], lost: list[Job], cache_bytes: int = 0) -> Victims:
+    """Which of the admitted `jobs` (most recently admitted first) a failed step gives back.
+    The jobs whose rows a failed layout lost must be recomputed; else the newest job that can
+    be (`Job.recomputable`) gives its memory back. A job alone in the engine cannot fit at all,
+    and where no job can be recomputed the newest fails; but where the prefix cache holds
+    `cache_bytes`, that KV may be what the job lacks: the cache is to be cleared and the job
     recomputed once more."""
     if lost:
-        return lost, []
+        return Victims(lost, [])
     if len(jobs) <= 1:
         preempt, fail = [], jobs
     else:
         newest = next((job for job in jobs if job.recomputable), None)
         preempt, fail = ([newest], []) if newest is not None else ([], jobs[:1])
-    if fail and cache is not None and cache.nbytes:
-        log.warning("out of memory: the prefix cache's %d bytes are freed", cache.nbytes)
-        cache.clear()
-        preempt = [job for job in fail if job.recomputable]
-        fail = [job for job in fail if not job.recomputable]
-    return preempt, fail
+    if fail and cache_bytes:
+        return Victims([job for job in fail if job.recomputable],
+                       [job for job in fail if not job.recomputable], clear_cache=True)
+    return Victims(preempt, fail)
 
 
 def lost_rows(joined: list[Job], held: Iterable[Sequence]) -> list[Job]:
