@@ -46,9 +46,10 @@ import torch
 log = logging.getLogger("seqgate.native")
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("decode_attention.cpp", "lowbit_linear.cpp"))
+                for name in ("decode_attention.cpp", "lowbit_linear.cpp", "lean_layer.cpp"))
 # Included by the sources: copied beside them and part of the build key.
-HEADERS = (Path(__file__).with_name("csrc") / "vec.h",)
+HEADERS = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("vec.h", "lowbit_linear.h"))
 # OpenMP: without it `at::parallel_for` runs on one thread (it links to torch's own libgomp).
 FLAGS = ("-O3", "-fopenmp")
 ISA_ENV = "SEQGATE_KERNEL_ISA"
@@ -72,9 +73,9 @@ _library: Path | None = None  # the build loaded in this process
 class Native:
     """The loaded library's operators: `decode_attention(query, key, value, mask, scale)` (the
     attention, or None for a call it does not take: then SDPA), `q4_linear(x, q, d, m)`,
-    `q8_linear(x, q, d)`, `h16_linear(x, w)` (engine.model.lowbit), `instantiated(dtype,
-    head_dim, groups)` and
-    `instruction_set()`."""
+    `q8_linear(x, q, d)`, `h16_linear(x, w)` (engine.model.lowbit), `lean_attention_inputs`
+    and `lean_attention_output` (engine.model.llama_layers), `instantiated(dtype, head_dim,
+    groups)` and `instruction_set()`."""
 
     def __init__(self, library: Path):
         ops = torch.ops.seqgate
@@ -83,6 +84,8 @@ class Native:
         self.q4_linear = ops.q4_linear.default
         self.q8_linear = ops.q8_linear.default
         self.h16_linear = ops.h16_linear.default
+        self.lean_attention_inputs = ops.lean_attention_inputs.default
+        self.lean_attention_output = ops.lean_attention_output.default
         self.instantiated = ops.instantiated.default
         self.instruction_set = ops.instruction_set.default
 

@@ -99,6 +99,39 @@ class _Stacked(NamedTuple):
     gate_up: torch.nn.Module
 
 
+_KINDS = {"q4": 0, "q8": 1, "bf16": 2, "f16": 2}  # csrc/lowbit_linear.h
+
+
+def _blocks(layer: BlockLinear) -> tuple:
+    return _KINDS[layer.kind], layer.q, layer.d, layer.m
+
+
+class _Native(NamedTuple):
+    """A layer whose four linear layers (stacked) are in blocks, without biases: forwards of
+    few enough rows run its work around the attention in two calls of the native library
+    (`csrc/lean_layer.cpp`), the same operators as `lean_forward`'s Python."""
+
+    ops: object  # engine.kernels.native.Native
+    linears: tuple[BlockLinear, ...]  # qkv, o, gate_up, down
+    dtype: torch.dtype
+
+    def takes(self, hidden: torch.Tensor) -> bool:
+        rows = hidden.numel() // hidden.shape[-1]
+        return (hidden.device.type == "cpu" and hidden.dtype == self.dtype
+                and all(rows <= b.max_rows for b in self.linears))
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module, stacked: _Stacked | None) -> _Native | None:
+        if stacked is None:
+            return None
+        linears = (stacked.qkv, layer.self_attn.o_proj, stacked.gate_up, layer.mlp.down_proj)
+        if not all(type(b) is BlockLinear and b.bias is None and b.ops is not None
+                   and hasattr(b.ops, "lean_attention_output")
+                   and b.weight.dtype == linears[0].weight.dtype for b in linears):
+            return None
+        return cls(linears[0].ops, linears, linears[0].weight.dtype)
+
+
 def _stack(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
     if type(parts[0]) is W8A8Linear:
         exact = _stack([p.exact for p in parts]) if _stackable([p.exact for p in parts]) else None
@@ -164,6 +197,10 @@ def lean_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_
     if cache is None:
         cache = kwargs.pop("past_key_values", None)
     kwargs.pop("use_cache", None)
+    native = vars(layer)["_lean_native"]
+    if native is not None and native.takes(hidden_states):
+        return _native_forward(layer, native, hidden_states, attention_mask,
+                               position_embeddings, cache, kwargs)
     residual = hidden_states
     x = _rms_norm(layer.input_layernorm, hidden_states)
     input_shape = x.shape[:-1]
@@ -198,6 +235,28 @@ def lean_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_
         gate, up = _linear(stacked.gate_up, x).chunk(2, dim=-1)
         x = _linear(mlp.down_proj, F.silu(gate) * up)
     return residual + x
+
+
+def _native_forward(layer: torch.nn.Module, native: _Native, hidden_states: torch.Tensor,
+                    attention_mask, position_embeddings, cache, kwargs: dict) -> torch.Tensor:
+    """`lean_forward` with stacked projections, its work before and after the attention in the
+    native library: the same operators, equal bit for bit."""
+    attn, stacked = layer.self_attn, vars(layer)["_lean_stacked"]
+    qkv, o, gate_up, down = native.linears
+    query, key, value = native.ops.lean_attention_inputs(
+        hidden_states, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+        *_blocks(qkv), stacked.q_heads, stacked.kv_heads, attn.head_dim,
+        *_rotary_tables(position_embeddings))
+    if cache is not None:
+        key, value = cache.update(key, value, attn.layer_idx)
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
+                                                      _llama.eager_attention_forward)
+    out, _ = attention(attn, query, key, value, attention_mask, dropout=0.0,
+                       scaling=attn.scaling, **kwargs)
+    norm = layer.post_attention_layernorm
+    return native.ops.lean_attention_output(out, hidden_states, *_blocks(o), norm.weight,
+                                            norm.variance_epsilon, *_blocks(gate_up),
+                                            *_blocks(down))
 
 
 # transformers' own output capture (output_hidden_states / output_attentions) hooks the layer
@@ -255,7 +314,8 @@ def install(model: torch.nn.Module) -> int:
     for module in model.modules():
         if fits(module):
             with torch.no_grad():
-                vars(module)["_lean_stacked"] = _stacked(module)
+                stacked = vars(module)["_lean_stacked"] = _stacked(module)
+            vars(module)["_lean_native"] = _Native.of(module, stacked)
             module.forward = types.MethodType(lean_forward, module)
             count += 1
     return count

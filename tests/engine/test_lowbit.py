@@ -11,14 +11,16 @@ import json
 
 import pytest
 import torch
+from transformers.cache_utils import DynamicCache
 
 from engine import EngineConfig, LoadedModel, SamplingParams
 from engine.kernels import native
-from engine.model import lowbit
+from engine.model import llama_layers, lowbit
 from engine.model.blocks import BLOCK, blocks_of_bf16, exact_blocks, rounded_blocks
 from engine.model.lowbit import BlockLinear
 from engine.model.onednn import supported as onednn_bf16
 from engine.model.prepare import original_model, prepare
+from engine.model.runner import cache_keyword
 from tests.engine.helpers import collect, reference_greedy, varied_prompts
 from tests.engine.test_native import needs_kernel
 
@@ -312,3 +314,45 @@ def test_greedy_with_blocks_equals_generate_alone_and_batched(smollm2, make_engi
     if quantize == "int4":  # the rounded head has its own weights; the embeddings keep theirs
         model = loaded.model
         assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_layers_equal_the_python_forward_bit_for_bit(smollm2, dtype, monkeypatch):
+    """A layer whose linear layers are in blocks runs its work around the attention in the
+    native library for forwards the kernel takes: every step's logits and the KV cache equal
+    those of the layer's Python forward bit for bit (the same operators, called from C++)."""
+    fresh = _fresh(smollm2)
+    model = fresh.model.to(dtype)
+    loaded = LoadedModel(model, fresh.tokenizer, fresh.name, fresh.source, fresh.device, dtype,
+                         0.0, False)
+    prepare(loaded, EngineConfig())
+    layers = list(model.model.layers)
+    natives = [vars(layer)["_lean_native"] for layer in layers]
+    assert all(n is not None for n in natives)
+    for m in [*model.modules(), *(b for n in natives for b in n.linears)]:
+        if isinstance(m, BlockLinear):
+            m.max_rows = 8  # whatever this host's timing chose (the stacked ones are no modules)
+    calls = []
+    native_forward = llama_layers._native_forward
+    monkeypatch.setattr(llama_layers, "_native_forward",
+                        lambda *a: calls.append(1) or native_forward(*a))
+    ids = torch.tensor([loaded.tokenizer.encode("The capital of France is Paris, and the")])
+
+    def run() -> tuple[list[torch.Tensor], DynamicCache]:
+        cache, logits = DynamicCache(), []
+        with torch.inference_mode():
+            for chunk in (ids[:, :-2], ids[:, -2:-1], ids[:, -1:]):  # 8 rows, then 1 and 1
+                logits.append(model(input_ids=chunk, **{cache_keyword(model): cache},
+                                    use_cache=True).logits)
+        return logits, cache
+
+    native_logits, native_cache = run()
+    assert len(calls) == 3 * len(layers)
+    for layer in layers:
+        vars(layer)["_lean_native"] = None
+    python_logits, python_cache = run()
+    assert len(calls) == 3 * len(layers)
+    assert all(torch.equal(a, b) for a, b in zip(native_logits, python_logits))
+    for a, b in zip(native_cache.layers, python_cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

@@ -36,6 +36,7 @@
 #include <cstring>
 #include <vector>
 
+#include "lowbit_linear.h"
 #include "vec.h"
 
 namespace {
@@ -341,6 +342,25 @@ at::Tensor h16_linear(const at::Tensor& x, const at::Tensor& w) {
 }
 
 }  // namespace
+
+namespace seqgate {
+
+at::Tensor block_product(const at::Tensor& x, int64_t kind, const at::Tensor& q,
+                         const std::optional<at::Tensor>& d, const std::optional<at::Tensor>& m) {
+  switch (kind) {
+    case kQ4:
+      TORCH_CHECK(d.has_value() && m.has_value(), "q4: scales and mins");
+      return q4_linear(x, q, *d, *m);
+    case kQ8:
+      TORCH_CHECK(d.has_value(), "q8: scales");
+      return q8_linear(x, q, *d);
+    case kH16:
+      return h16_linear(x, q);
+  }
+  TORCH_CHECK(false, "block kind: 0 (q4), 1 (q8) or 2 (16-bit), not ", kind);
+}
+
+}  // namespace seqgate
 
 TORCH_LIBRARY_FRAGMENT(seqgate, m) {
   m.def("q4_linear(Tensor x, Tensor q, Tensor d, Tensor m) -> Tensor");
