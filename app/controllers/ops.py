@@ -129,7 +129,15 @@ def _kernels(engine) -> dict | None:
                        "q8_layers": blocks.q8_layers, "h16_layers": blocks.h16_layers,
                        "max_rows": blocks.max_rows,
                        "ms_per_pass_kernel_vs_torch": blocks.timings},
-            "w8a8": _w8a8(getattr(engine, "int8_layers", None))}
+            "w8a8": _w8a8(getattr(engine, "int8_layers", None)),
+            "native_layers": _native(getattr(engine, "native_layers", None))}
+
+
+def _native(report) -> dict | None:
+    if report is None or not report.layers:
+        return None
+    return {"layers": report.layers, "max_rows": report.max_rows,
+            "ms_per_pass_native_vs_python": report.timings}
 
 
 def _w8a8(report) -> dict | None:

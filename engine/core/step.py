@@ -61,7 +61,9 @@ class EngineCore:
         self.prepacked_layers = prepared.prepacked_layers
         self.lean_layers = prepared.lean_layers
         self.decode_kernel_layers = prepared.decode_kernel_layers
-        self.linear_blocks, self.int8_layers = prepared.lowbit, prepared.w8a8  # paths and rows
+        # Paths and rows chosen on this host.
+        self.linear_blocks, self.int8_layers, self.native_layers = (prepared.lowbit,
+                                                                    prepared.w8a8, prepared.native)
         # Ranks in lock step cannot each undo a step alone: out of memory fails them all.
         self._lockstep = ranks is not None
         longest = min(max(config.token_budget, ALONE_TOKENS), self.max_model_len)

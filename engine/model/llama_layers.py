@@ -21,16 +21,21 @@ work through hooks, and would be bypassed); any other layer keeps its own forwar
 
 from __future__ import annotations
 
+import functools
+import json
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from engine.model.lowbit import BlockLinear
+from engine.model.host_timing import best_of, cached, torch_threads
+from engine.model.lowbit import CANDIDATE_ROWS, BlockLinear
 from engine.model.prepack import PrepackedLinear
 from engine.model.quantize import PackedLinear
 from engine.model.w8a8 import W8A8Linear
@@ -106,19 +111,41 @@ def _blocks(layer: BlockLinear) -> tuple:
     return _KINDS[layer.kind], layer.q, layer.d, layer.m
 
 
-class _Native(NamedTuple):
+class _Native:
     """A layer whose four linear layers (stacked) are in blocks, without biases: forwards of
-    few enough rows run its work around the attention in two calls of the native library
-    (`csrc/lean_layer.cpp`), the same operators as `lean_forward`'s Python."""
+    up to `max_rows` rows run its work around the attention in two calls of the native library
+    (`csrc/lean_layer.cpp`), the same operators as the Python halves, so the results are equal
+    bit for bit and the interpreter's and dispatcher's cost per operator is gone. The limit is
+    timed at start (`choose_native_rows`); None: the linear layers' own (`BlockLinear.max_rows`).
+    A linear layer set to dense products (`max_rows` 0) turns it off."""
 
-    ops: object  # engine.kernels.native.Native
-    linears: tuple[BlockLinear, ...]  # qkv, o, gate_up, down
-    dtype: torch.dtype
+    def __init__(self, ops, linears: tuple[BlockLinear, ...]):
+        self.ops = ops  # engine.kernels.native.Native
+        self.linears = linears  # qkv, o, gate_up, down
+        self.dtype = linears[0].weight.dtype
+        self.max_rows: int | None = None
 
     def takes(self, hidden: torch.Tensor) -> bool:
         rows = hidden.numel() // hidden.shape[-1]
-        return (hidden.device.type == "cpu" and hidden.dtype == self.dtype
-                and all(rows <= b.max_rows for b in self.linears))
+        own = min(b.max_rows for b in self.linears)
+        limit = own if self.max_rows is None or not own else self.max_rows
+        return hidden.device.type == "cpu" and hidden.dtype == self.dtype and rows <= limit
+
+    def attention_inputs(self, layer: torch.nn.Module, hidden_states: torch.Tensor,
+                         position_embeddings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        stacked, norm = vars(layer)["_lean_stacked"], layer.input_layernorm
+        return self.ops.lean_attention_inputs(
+            hidden_states, norm.weight, norm.variance_epsilon, *_blocks(self.linears[0]),
+            stacked.q_heads, stacked.kv_heads, layer.self_attn.head_dim,
+            *_rotary_tables(position_embeddings))
+
+    def attention_output(self, layer: torch.nn.Module, out: torch.Tensor,
+                         residual: torch.Tensor) -> torch.Tensor:
+        _, o, gate_up, down = self.linears
+        norm = layer.post_attention_layernorm
+        return self.ops.lean_attention_output(out, residual, *_blocks(o), norm.weight,
+                                              norm.variance_epsilon, *_blocks(gate_up),
+                                              *_blocks(down))
 
     @classmethod
     def of(cls, layer: torch.nn.Module, stacked: _Stacked | None) -> _Native | None:
@@ -129,7 +156,7 @@ class _Native(NamedTuple):
                    and hasattr(b.ops, "lean_attention_output")
                    and b.weight.dtype == linears[0].weight.dtype for b in linears):
             return None
-        return cls(linears[0].ops, linears, linears[0].weight.dtype)
+        return cls(linears[0].ops, linears)
 
 
 def _stack(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
@@ -189,19 +216,36 @@ def lean_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_
     Two changes of form, not of arithmetic: the query, key and value projections run as one
     matrix product (and the gate and up projections as another), whose output columns are
     each a dot product over the same inputs as before; and the rotary embedding turns the
-    query and key heads in one pass, element by element as before."""
-    attn, mlp = layer.self_attn, layer.mlp
-    stacked = vars(layer)["_lean_stacked"]
+    query and key heads in one pass, element by element as before. Where the layer's linear
+    layers are in blocks and the forward has rows few enough, the work before and after the
+    attention runs in the native library (`_Native`), with the same operators."""
+    attn = layer.self_attn
     # The cache's keyword: `cache` in newer 5.x releases, `past_key_values` in earlier ones.
     cache = kwargs.pop("cache", None)
     if cache is None:
         cache = kwargs.pop("past_key_values", None)
     kwargs.pop("use_cache", None)
     native = vars(layer)["_lean_native"]
-    if native is not None and native.takes(hidden_states):
-        return _native_forward(layer, native, hidden_states, attention_mask,
-                               position_embeddings, cache, kwargs)
-    residual = hidden_states
+    if native is None or not native.takes(hidden_states):
+        native = None
+        query, key, value = _attention_inputs(layer, hidden_states, position_embeddings)
+    else:
+        query, key, value = native.attention_inputs(layer, hidden_states, position_embeddings)
+    if cache is not None:
+        key, value = cache.update(key, value, attn.layer_idx)
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
+                                                      _llama.eager_attention_forward)
+    out, _ = attention(attn, query, key, value, attention_mask, dropout=0.0,
+                       scaling=attn.scaling, **kwargs)
+    if native is None:
+        return _attention_output(layer, out, hidden_states)
+    return native.attention_output(layer, out, hidden_states)
+
+
+def _attention_inputs(layer: torch.nn.Module, hidden_states: torch.Tensor,
+                      position_embeddings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer's query, key and value: its input norm, projections and rotary embedding."""
+    attn, stacked = layer.self_attn, vars(layer)["_lean_stacked"]
     x = _rms_norm(layer.input_layernorm, hidden_states)
     input_shape = x.shape[:-1]
     if stacked is None:
@@ -211,52 +255,28 @@ def lean_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_
         query = _linear(attn.q_proj, x).view(shape).transpose(1, 2)
         key = _linear(attn.k_proj, x).view(shape).transpose(1, 2)
         value = _linear(attn.v_proj, x).view(shape).transpose(1, 2)
-        query = (query * cos) + (_rotate_half(query) * sin)
-        key = (key * cos) + (_rotate_half(key) * sin)
-    else:
-        heads = stacked.q_heads + stacked.kv_heads
-        qkv = _linear(stacked.qkv, x).view(*input_shape, -1, attn.head_dim).transpose(1, 2)
-        turned = _rotate(qkv[:, :heads], *_rotary_tables(position_embeddings))
-        query, key = turned[:, :stacked.q_heads], turned[:, stacked.q_heads:]
-        value = qkv[:, heads:]
-    if cache is not None:
-        key, value = cache.update(key, value, attn.layer_idx)
-    attention = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
-                                                      _llama.eager_attention_forward)
-    out, _ = attention(attn, query, key, value, attention_mask, dropout=0.0,
-                       scaling=attn.scaling, **kwargs)
-    out = out.reshape(*input_shape, -1).contiguous()
+        return ((query * cos) + (_rotate_half(query) * sin),
+                (key * cos) + (_rotate_half(key) * sin), value)
+    heads = stacked.q_heads + stacked.kv_heads
+    qkv = _linear(stacked.qkv, x).view(*input_shape, -1, attn.head_dim).transpose(1, 2)
+    turned = _rotate(qkv[:, :heads], *_rotary_tables(position_embeddings))
+    return turned[:, :stacked.q_heads], turned[:, stacked.q_heads:], qkv[:, heads:]
+
+
+def _attention_output(layer: torch.nn.Module, out: torch.Tensor,
+                      residual: torch.Tensor) -> torch.Tensor:
+    """The layer's output from its attention's `out` and its input `residual`: the output
+    projection, the residual, the post-attention norm, the MLP and its residual."""
+    attn, mlp, stacked = layer.self_attn, layer.mlp, vars(layer)["_lean_stacked"]
+    out = out.reshape(*residual.shape[:-1], -1).contiguous()
     hidden_states = residual + _linear(attn.o_proj, out)
-    residual = hidden_states
     x = _rms_norm(layer.post_attention_layernorm, hidden_states)
     if stacked is None:
         x = _linear(mlp.down_proj, F.silu(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
     else:
         gate, up = _linear(stacked.gate_up, x).chunk(2, dim=-1)
         x = _linear(mlp.down_proj, F.silu(gate) * up)
-    return residual + x
-
-
-def _native_forward(layer: torch.nn.Module, native: _Native, hidden_states: torch.Tensor,
-                    attention_mask, position_embeddings, cache, kwargs: dict) -> torch.Tensor:
-    """`lean_forward` with stacked projections, its work before and after the attention in the
-    native library: the same operators, equal bit for bit."""
-    attn, stacked = layer.self_attn, vars(layer)["_lean_stacked"]
-    qkv, o, gate_up, down = native.linears
-    query, key, value = native.ops.lean_attention_inputs(
-        hidden_states, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-        *_blocks(qkv), stacked.q_heads, stacked.kv_heads, attn.head_dim,
-        *_rotary_tables(position_embeddings))
-    if cache is not None:
-        key, value = cache.update(key, value, attn.layer_idx)
-    attention = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
-                                                      _llama.eager_attention_forward)
-    out, _ = attention(attn, query, key, value, attention_mask, dropout=0.0,
-                       scaling=attn.scaling, **kwargs)
-    norm = layer.post_attention_layernorm
-    return native.ops.lean_attention_output(out, hidden_states, *_blocks(o), norm.weight,
-                                            norm.variance_epsilon, *_blocks(gate_up),
-                                            *_blocks(down))
+    return hidden_states + x
 
 
 # transformers' own output capture (output_hidden_states / output_attentions) hooks the layer
@@ -319,6 +339,96 @@ def install(model: torch.nn.Module) -> int:
             module.forward = types.MethodType(lean_forward, module)
             count += 1
     return count
+
+
+@dataclass(frozen=True)
+class NativeReport:
+    """Layers whose work around the attention runs in the native library, the row count it
+    serves up to, and the timings (ms per pass over them, native against the Python halves
+    with dense products) it was chosen by; max_rows None: the linear layers' own limit."""
+
+    layers: int = 0
+    max_rows: int | None = None
+    timings: dict | None = None
+
+
+def time_native(model: torch.nn.Module, cache: Path | None, build_key: str,
+                threads: int | None) -> NativeReport:
+    """Time the native layers' row limit (cached per host, model shape and limit of the
+    linear layers) and set it. The linear layers' own limit compares their products alone; a
+    native forward also saves the Python of every other operator of the layer, so it can pay
+    beyond that limit, up to where the dense products' speed outweighs it (a speculative step's
+    few draft rows on a bf16 model, say)."""
+    natives = [(m, vars(m)["_lean_native"]) for m in model.modules()
+               if vars(m).get("_lean_native") is not None]
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if not natives or rotary is None:
+        return NativeReport(len(natives))
+    own = min(b.max_rows for _, n in natives for b in n.linears)
+    layer, first = natives[0]
+    signature = json.dumps(["native", build_key, torch.get_num_threads() if threads is None
+                            else threads, len(natives), str(first.dtype), own,
+                            [list(b.q.shape) + [b.kind] for b in first.linears], CANDIDATE_ROWS])
+    path = None if cache is None else Path(cache) / "kernels" / "lowbit-rows.json"
+    with torch_threads(threads):
+        entry = cached(path, signature, lambda: _measure_native(natives, rotary, own))
+    for _, native in natives:
+        native.max_rows = entry["max_rows"]
+    return NativeReport(len(natives), entry["max_rows"], entry["timings"])
+
+
+def _measure_native(natives: list, rotary: torch.nn.Module, own: int) -> dict:
+    """The largest candidate row count (at least `own`) at which one pass over the layers'
+    work around their attention is faster natively than in Python with dense products; stops
+    after two losses in a row."""
+    layer, first = natives[0]
+    hidden_size = layer.input_layernorm.weight.shape[0]
+    width = first.linears[1].in_features  # the attention's output, the output projection's in
+    timings: dict[str, list[float]] = {}
+    best, losses = own, 0
+    with torch.inference_mode():
+        for n in CANDIDATE_ROWS:
+            if n <= own:
+                continue
+            hidden = torch.randn(n, 1, hidden_size, dtype=first.dtype)
+            tables = rotary(hidden, torch.zeros(n, 1, dtype=torch.long))
+            out = torch.randn(n, 1, width, dtype=first.dtype)
+            native = best_of(2, functools.partial(_pass, natives, True, hidden, tables, out))
+            with _dense(natives):
+                python = best_of(2, functools.partial(_pass, natives, False, hidden, tables, out))
+            timings[str(n)] = [round(native * 1e3, 3), round(python * 1e3, 3)]
+            if native < python:
+                best, losses = n, 0
+            else:
+                losses += 1
+                if losses == 2:
+                    break
+    return {"max_rows": best, "timings": timings}
+
+
+def _pass(natives: list, native: bool, hidden: torch.Tensor, tables, out: torch.Tensor) -> None:
+    """Every layer's work before and after its attention (`out` standing in for the
+    attention's output), natively or in Python."""
+    for layer, n in natives:
+        if native:
+            n.attention_inputs(layer, hidden, tables)
+            n.attention_output(layer, out, hidden)
+        else:
+            _attention_inputs(layer, hidden, tables)
+            _attention_output(layer, out, hidden)
+
+
+@contextmanager
+def _dense(natives: list) -> Iterator[None]:
+    """Within the block the native layers' linear layers multiply through their dense path."""
+    linears = {b: b.max_rows for _, n in natives for b in n.linears}
+    for b in linears:
+        b.max_rows = 0
+    try:
+        yield
+    finally:
+        for b, rows in linears.items():
+            b.max_rows = rows
 
 
 @contextmanager

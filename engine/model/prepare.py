@@ -35,6 +35,7 @@ class Prepared:
     decode_kernel_layers: int
     lowbit: lowbit.LowbitReport = field(default_factory=lowbit.LowbitReport)
     w8a8: w8a8.W8A8Report = field(default_factory=w8a8.W8A8Report)
+    native: llama_layers.NativeReport = field(default_factory=llama_layers.NativeReport)
 
 
 def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
@@ -79,6 +80,13 @@ def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
     packed = config.fuse_sub_batches and packed_forward.install(model)
     prepacked = prepack.install(model) if single else 0
     lean = llama_layers.install(model) if single else 0
+    native_layers = llama_layers.NativeReport()
+    if lean and blocks.mode != "off":
+        native_layers = llama_layers.time_native(model, cache_dir(config), native.build_key(),
+                                                 config.threads)
+        log.info("native layers: %d, for forwards of at most %s rows; ms per pass over their "
+                 "work around the attention at n rows, native vs Python: %s",
+                 native_layers.layers, native_layers.max_rows, native_layers.timings)
     kernel = None
     if config.decode_attention == "auto" and packed and single and cpu:
         kernel = ops
@@ -86,7 +94,7 @@ def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
     if kernel is not None and not kernel_layers:
         log.info("decode attention kernel: this model's head shape is not one it vectorises; "
                  "using PyTorch's SDPA")
-    return Prepared(packed, prepacked, lean, kernel_layers, blocks, int8)
+    return Prepared(packed, prepacked, lean, kernel_layers, blocks, int8, native_layers)
 
 
 def _install_w8a8(loaded: LoadedModel, config: EngineConfig, fits: bool) -> w8a8.W8A8Report:

@@ -333,10 +333,12 @@ def test_native_layers_equal_the_python_forward_bit_for_bit(smollm2, dtype, monk
     for m in [*model.modules(), *(b for n in natives for b in n.linears)]:
         if isinstance(m, BlockLinear):
             m.max_rows = 8  # whatever this host's timing chose (the stacked ones are no modules)
+    for n in natives:
+        n.max_rows = None  # the linear layers' limit
     calls = []
-    native_forward = llama_layers._native_forward
-    monkeypatch.setattr(llama_layers, "_native_forward",
-                        lambda *a: calls.append(1) or native_forward(*a))
+    native_output = llama_layers._Native.attention_output
+    monkeypatch.setattr(llama_layers._Native, "attention_output",
+                        lambda *a: calls.append(1) or native_output(*a))
     ids = torch.tensor([loaded.tokenizer.encode("The capital of France is Paris, and the")])
 
     def run() -> tuple[list[torch.Tensor], DynamicCache]:
@@ -356,3 +358,23 @@ def test_native_layers_equal_the_python_forward_bit_for_bit(smollm2, dtype, monk
     assert all(torch.equal(a, b) for a, b in zip(native_logits, python_logits))
     for a, b in zip(native_cache.layers, python_cache.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@needs_kernel
+def test_the_native_row_limit_is_timed_beyond_the_linear_layers_and_dense_turns_it_off(
+        smollm2, monkeypatch):
+    fresh = _fresh(smollm2)
+    prepare(fresh, EngineConfig())
+    natives = [vars(layer)["_lean_native"] for layer in fresh.model.model.layers]
+    for b in (b for n in natives for b in n.linears):
+        b.max_rows = 2
+    monkeypatch.setattr(llama_layers, "CANDIDATE_ROWS", (1, 2, 4, 8))
+    report = llama_layers.time_native(fresh.model, None, "test", None)
+    assert report.layers == len(natives) and report.max_rows in (2, 4, 8)
+    assert set(report.timings) <= {"4", "8"} and "4" in report.timings  # only beyond 2
+    assert all(n.max_rows == report.max_rows for n in natives)
+    rows = torch.zeros(report.max_rows, 1, fresh.model.config.hidden_size)
+    assert natives[0].takes(rows) and not natives[0].takes(torch.zeros(16, 1, rows.shape[-1]))
+    for b in natives[0].linears:
+        b.max_rows = 0  # dense products asked for (engine.model.prepare.original_model)
+    assert not natives[0].takes(rows[:1])
