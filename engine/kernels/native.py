@@ -1,6 +1,6 @@
 """Kernels of our own, compiled for the host CPU the first time they are needed.
 
-Two so far, built into one library. Attention of one query token per row over a rolling
+Three, built into one library. Attention of one query token per row over a rolling
 batch's KV slab (`csrc/decode_attention.cpp`), bf16 or fp32, on the CPU: PyTorch's CPU
 flash-attention kernel is built for long query blocks; with one query per row it read the KV at
 about 8 GB/s and took 29-40% of a decode step's CPU time at 32 rows (torch.profiler,
@@ -8,7 +8,9 @@ docs/benchmarks/speed.md). No well-kept library ships a CPU decode-attention ker
 torch (IPEX stopped at 2.8, vLLM's and llama.cpp's are inside their own servers), so this is a
 small one of ours. And linear layers over weights in 4- and 8-bit blocks for forwards of few
 rows (`csrc/lowbit_linear.cpp`, engine.model.lowbit): PyTorch's own weight-only kernels are fast
-on AVX512 only.
+on AVX512 only. And a Llama layer's work before and after its attention, over those linear
+layers, as two calls (`csrc/lean_layer.cpp`, engine.model.llama_layers): the same ATen
+operators, without the interpreter's cost per operator.
 
 They are written over ATen's `Vectorized<float>`, as PyTorch's own CPU kernels are, and built for
 the best vector instruction set the CPU has: AVX512 (F, BW, VL, DQ), else AVX2 (with FMA and
