@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -58,3 +58,22 @@ def cached(path: Path | None, key: str, measure: Callable[[], dict]) -> dict:
         except OSError as exc:
             log.warning("could not cache a timed choice at %s: %s", path, exc)
     return entry
+
+
+def largest_win(rows: Iterable[int], timed: Callable[[int], tuple[float, float]],
+                best: int = 0) -> tuple[int, dict]:
+    """The largest of `rows` at which the first of `timed(n)`'s two timings (seconds) is the
+    smaller (else `best`), and the timings in ms by row count; stops after two losses in a
+    row, since the second way's lead grows with the rows."""
+    timings: dict[str, list[float]] = {}
+    losses = 0
+    for n in rows:
+        first, second = timed(n)
+        timings[str(n)] = [round(first * 1e3, 3), round(second * 1e3, 3)]
+        if first < second:
+            best, losses = n, 0
+        else:
+            losses += 1
+            if losses == 2:
+                break
+    return best, timings

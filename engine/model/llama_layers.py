@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from engine.model.host_timing import best_of, cached, torch_threads
+from engine.model.host_timing import best_of, cached, largest_win, torch_threads
 from engine.model.lowbit import CANDIDATE_ROWS, BlockLinear
 from engine.model.prepack import PrepackedLinear
 from engine.model.quantize import PackedLinear
@@ -384,25 +384,18 @@ def _measure_native(natives: list, rotary: torch.nn.Module, own: int) -> dict:
     layer, first = natives[0]
     hidden_size = layer.input_layernorm.weight.shape[0]
     width = first.linears[1].in_features  # the attention's output, the output projection's in
-    timings: dict[str, list[float]] = {}
-    best, losses = own, 0
+
+    def timed(n: int) -> tuple[float, float]:
+        hidden = torch.randn(n, 1, hidden_size, dtype=first.dtype)
+        tables = rotary(hidden, torch.zeros(n, 1, dtype=torch.long))
+        out = torch.randn(n, 1, width, dtype=first.dtype)
+        native = best_of(2, functools.partial(_pass, natives, True, hidden, tables, out))
+        with _dense(natives):
+            python = best_of(2, functools.partial(_pass, natives, False, hidden, tables, out))
+        return native, python
+
     with torch.inference_mode():
-        for n in CANDIDATE_ROWS:
-            if n <= own:
-                continue
-            hidden = torch.randn(n, 1, hidden_size, dtype=first.dtype)
-            tables = rotary(hidden, torch.zeros(n, 1, dtype=torch.long))
-            out = torch.randn(n, 1, width, dtype=first.dtype)
-            native = best_of(2, functools.partial(_pass, natives, True, hidden, tables, out))
-            with _dense(natives):
-                python = best_of(2, functools.partial(_pass, natives, False, hidden, tables, out))
-            timings[str(n)] = [round(native * 1e3, 3), round(python * 1e3, 3)]
-            if native < python:
-                best, losses = n, 0
-            else:
-                losses += 1
-                if losses == 2:
-                    break
+        best, timings = largest_win([n for n in CANDIDATE_ROWS if n > own], timed, own)
     return {"max_rows": best, "timings": timings}
 
 

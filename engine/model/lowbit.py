@@ -39,7 +39,7 @@ import torch
 
 from engine.model import onednn
 from engine.model.blocks import Blocks, blocks_of_bf16, exact_blocks, rounded_blocks
-from engine.model.host_timing import best_of, cached, torch_threads
+from engine.model.host_timing import best_of, cached, largest_win, torch_threads
 
 log = logging.getLogger("seqgate.engine")
 
@@ -227,26 +227,18 @@ def choose_max_rows(layers: list[BlockLinear], rows: tuple[int, ...] = CANDIDATE
     one), and the timings (ms, best of two) it was chosen by.
     Every layer of the model takes part, so the weights come from memory as in a decode step;
     it stops after two row counts in a row where PyTorch wins."""
-    timings: dict[str, list[float]] = {}
-    best, losses = 0, 0
     inputs: dict[int, torch.Tensor] = {}
+
+    def timed(n: int) -> tuple[float, float]:
+        for layer in layers:
+            if layer.in_features not in inputs or inputs[layer.in_features].shape[0] != n:
+                inputs[layer.in_features] = torch.randn(n, layer.in_features,
+                                                        dtype=layer.weight.dtype)
+        return (best_of(2, lambda: [b.kernel_product(inputs[b.in_features]) for b in layers]),
+                best_of(2, lambda: [b.dense_product(inputs[b.in_features]) for b in layers]))
+
     with torch.no_grad():
-        for n in rows:
-            for layer in layers:
-                if layer.in_features not in inputs or inputs[layer.in_features].shape[0] != n:
-                    inputs[layer.in_features] = torch.randn(n, layer.in_features,
-                                                            dtype=layer.weight.dtype)
-            kernel = best_of(2, lambda: [b.kernel_product(inputs[b.in_features])
-                                          for b in layers])
-            dense = best_of(2, lambda: [b.dense_product(inputs[b.in_features]) for b in layers])
-            timings[str(n)] = [round(kernel * 1e3, 3), round(dense * 1e3, 3)]
-            if kernel < dense:
-                best, losses = n, 0
-            else:
-                losses += 1
-                if losses == 2:
-                    break
-    return best, timings
+        return largest_win(rows, timed)
 
 
 @contextmanager
