@@ -383,9 +383,9 @@ def _first_last(text: str) -> str:
 
 
 def _seqgate_dtype(data: dict) -> str:
-    for key in ("sweep", "cache", "splitting"):
-        for run in data[key]:
-            if run.get("server_info"):
+    for key in ("sweep", "cache", "splitting", "speculative"):
+        for run in data.get(key) or []:
+            if run.get("server_info") and run.get("server", "seqgate").startswith("seqgate"):
                 return run["server_info"].get("dtype") or "?"
     return (data["agreement"].get("dtypes") or {}).get("seqgate", "?")
 
