@@ -22,6 +22,11 @@ def test_health_and_version(http, live_server):
                                  "max_rows": blocks.max_rows,
                                  "ms_per_pass_kernel_vs_torch": blocks.timings}
     assert kernels["w8a8"] is None and engine.int8_layers.layers == 0  # only where asked
+    native = engine.native_layers
+    assert kernels["native_layers"] == ({
+        "layers": native.layers, "max_rows": native.max_rows,
+        "ms_per_pass_native_vs_python": native.timings} if native.layers else None)
+    assert native.layers in (0, engine.lean_layers)
     assert version["engine"]["speculative"] == {
         "method": "ngram", "model": None,
         "num_speculative_tokens": engine.config.num_speculative_tokens,
