@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from engine.model.host_timing import best_of, cached, largest_win, torch_threads
-from engine.model.lowbit import CANDIDATE_ROWS, BlockLinear
+from engine.model.lowbit import CANDIDATE_ROWS, BlockLinear, timings_path
 from engine.model.prepack import PrepackedLinear
 from engine.model.quantize import PackedLinear
 from engine.model.w8a8 import W8A8Linear
@@ -107,21 +107,19 @@ class _Stacked(NamedTuple):
 _KINDS = {"q4": 0, "q8": 1, "bf16": 2, "f16": 2}  # csrc/lowbit_linear.h
 
 
-def _blocks(layer: BlockLinear) -> tuple:
-    return _KINDS[layer.kind], layer.q, layer.d, layer.m
-
-
 class _Native:
     """A layer whose four linear layers (stacked) are in blocks, without biases: forwards of
     up to `max_rows` rows run its work around the attention in two calls of the native library
     (`csrc/lean_layer.cpp`), the same operators as the Python halves, so the results are equal
     bit for bit and the interpreter's and dispatcher's cost per operator is gone. The limit is
-    timed at start (`choose_native_rows`); None: the linear layers' own (`BlockLinear.max_rows`).
+    timed at start (`time_native`); None: the linear layers' own (`BlockLinear.max_rows`).
     A linear layer set to dense products (`max_rows` 0) turns it off."""
 
     def __init__(self, ops, linears: tuple[BlockLinear, ...]):
         self.ops = ops  # engine.kernels.native.Native
         self.linears = linears  # qkv, o, gate_up, down
+        # Each one's (kind, q, d, m) as the library takes them, built once, not every forward.
+        self.blocks = [(_KINDS[b.kind], b.q, b.d, b.m) for b in linears]
         self.dtype = linears[0].weight.dtype
         self.max_rows: int | None = None
 
@@ -135,17 +133,16 @@ class _Native:
                          position_embeddings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         stacked, norm = vars(layer)["_lean_stacked"], layer.input_layernorm
         return self.ops.lean_attention_inputs(
-            hidden_states, norm.weight, norm.variance_epsilon, *_blocks(self.linears[0]),
+            hidden_states, norm.weight, norm.variance_epsilon, *self.blocks[0],
             stacked.q_heads, stacked.kv_heads, layer.self_attn.head_dim,
             *_rotary_tables(position_embeddings))
 
     def attention_output(self, layer: torch.nn.Module, out: torch.Tensor,
                          residual: torch.Tensor) -> torch.Tensor:
-        _, o, gate_up, down = self.linears
+        _, o, gate_up, down = self.blocks
         norm = layer.post_attention_layernorm
-        return self.ops.lean_attention_output(out, residual, *_blocks(o), norm.weight,
-                                              norm.variance_epsilon, *_blocks(gate_up),
-                                              *_blocks(down))
+        return self.ops.lean_attention_output(out, residual, *o, norm.weight,
+                                              norm.variance_epsilon, *gate_up, *down)
 
     @classmethod
     def of(cls, layer: torch.nn.Module, stacked: _Stacked | None) -> _Native | None:
@@ -153,7 +150,6 @@ class _Native:
             return None
         linears = (stacked.qkv, layer.self_attn.o_proj, stacked.gate_up, layer.mlp.down_proj)
         if not all(type(b) is BlockLinear and b.bias is None and b.ops is not None
-                   and hasattr(b.ops, "lean_attention_output")
                    and b.weight.dtype == linears[0].weight.dtype for b in linears):
             return None
         return cls(linears[0].ops, linears)
@@ -315,8 +311,8 @@ def fits(layer: torch.nn.Module) -> bool:
 class _WholeSlices(torch.nn.ModuleList):
     """A ModuleList whose slice over all of it is itself. transformers' models run
     `for layer in self.layers[: self.config.num_hidden_layers]`, and a ModuleList's slice is a
-    new ModuleList, built with one `add_module` per layer on every forward (about 0.4 ms of a
-    4-14 ms one-row step for SmolLM2's 30 layers)."""
+    new ModuleList, built with one `add_module` per layer on every forward (85 µs for SmolLM2's
+    30 layers, timed alone)."""
 
     def __getitem__(self, idx):
         if isinstance(idx, slice) and idx.indices(len(self)) == (0, len(self), 1):
@@ -365,13 +361,14 @@ def time_native(model: torch.nn.Module, cache: Path | None, build_key: str,
     if not natives or rotary is None:
         return NativeReport(len(natives))
     own = min(b.max_rows for _, n in natives for b in n.linears)
-    layer, first = natives[0]
-    signature = json.dumps(["native", build_key, torch.get_num_threads() if threads is None
-                            else threads, len(natives), str(first.dtype), own,
-                            [list(b.q.shape) + [b.kind] for b in first.linears], CANDIDATE_ROWS])
-    path = None if cache is None else Path(cache) / "kernels" / "lowbit-rows.json"
+    first = natives[0][1]
     with torch_threads(threads):
-        entry = cached(path, signature, lambda: _measure_native(natives, rotary, own))
+        signature = json.dumps(["native", build_key, torch.get_num_threads(), len(natives),
+                                str(first.dtype), own,
+                                [list(b.q.shape) + [b.kind] for b in first.linears],
+                                CANDIDATE_ROWS])
+        entry = cached(timings_path(cache), signature,
+                       lambda: _measure_native(natives, rotary, own))
     for _, native in natives:
         native.max_rows = entry["max_rows"]
     return NativeReport(len(natives), entry["max_rows"], entry["timings"])

@@ -207,10 +207,15 @@ def _signature(layers: list[BlockLinear], build_key: str) -> str:
     return json.dumps([build_key, torch.get_num_threads(), len(layers), shapes, CANDIDATE_ROWS])
 
 
+def timings_path(cache: Path | None) -> Path | None:
+    """Where the row limits timed on this host are kept (None: nowhere)."""
+    return None if cache is None else Path(cache) / "kernels" / "lowbit-rows.json"
+
+
 def _max_rows(layers: list[BlockLinear], cache: Path | None,
               build_key: str) -> tuple[int, dict | None]:
     """The measured row count (from the cache where this machine measured it before)."""
-    path = None if cache is None else Path(cache) / "kernels" / "lowbit-rows.json"
+    path = timings_path(cache)
 
     def measure() -> dict:
         max_rows, timings = choose_max_rows(layers)

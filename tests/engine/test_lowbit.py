@@ -373,8 +373,9 @@ def test_the_native_row_limit_is_timed_beyond_the_linear_layers_and_dense_turns_
     assert report.layers == len(natives) and report.max_rows in (2, 4, 8)
     assert set(report.timings) <= {"4", "8"} and "4" in report.timings  # only beyond 2
     assert all(n.max_rows == report.max_rows for n in natives)
-    rows = torch.zeros(report.max_rows, 1, fresh.model.config.hidden_size)
-    assert natives[0].takes(rows) and not natives[0].takes(torch.zeros(16, 1, rows.shape[-1]))
+    rows = torch.zeros(report.max_rows, 1, fresh.model.config.hidden_size,
+                       dtype=natives[0].dtype)  # the shared model's dtype: this host's default
+    assert natives[0].takes(rows) and not natives[0].takes(rows.new_zeros(16, 1, rows.shape[-1]))
     for b in natives[0].linears:
         b.max_rows = 0  # dense products asked for (engine.model.prepare.original_model)
     assert not natives[0].takes(rows[:1])

@@ -5,7 +5,7 @@
 // takes 2-3 µs of interpreter and dispatch, about half of a one-row step outside the weights'
 // products (docs/benchmarks/speed.md). These two functions run the same ATen operators on the
 // same tensors in the same order as the Python forward, so their results are equal bit for bit
-// (tests/engine/test_lean.py), and only the calls from Python go away. The KV cache update and
+// (tests/engine/test_lowbit.py), and only the calls from Python go away. The KV cache update and
 // the attention stay in Python between them: they are the model's and the engine's own.
 //
 // Each linear layer is (kind, q, d, m) as engine.model.lowbit.BlockLinear holds it, without a
