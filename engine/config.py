@@ -14,8 +14,10 @@ QUANTIZE_MODES = ("none", "int8", "int4", "w8a8")
 DECODE_ATTENTION = ("auto", "sdpa")
 LINEAR_KERNELS = ("auto", "torch")
 # Rows of an automatic max_rolling_batch_size where the KV budget does not set it (the CPU);
-# at least MAX_N (engine/request/sampling_params.py), so any job's `n` fits.
-AUTO_BATCH_ROWS = 32
+# at least MAX_N (engine/request/sampling_params.py), so any job's `n` fits. 64 rather than 32:
+# a CPU step of 64 rows costs well under twice one of 32, so at 64 clients the second half no
+# longer queues (docs/benchmarks/speed.md); admission by bytes still bounds the memory.
+AUTO_BATCH_ROWS = 64
 AUTO_SPLITS = 3
 
 
@@ -101,7 +103,8 @@ class EngineConfig:
     speculative_model: str | None = None
     # Quantisation on the CPU: none | int8 | int4 weight-only (fp32 models:
     # engine/model/lowbit.py; bf16 ones: engine/model/quantize.py) | w8a8, int8 weights and
-    # activations for forwards of many rows (fp32 models on x86: engine/model/w8a8.py).
+    # activations for forwards of many rows (engine/model/w8a8.py: bf16 or fp32 models where
+    # the CPU has VNNI or AMX, fp32 ones elsewhere on x86).
     quantize: str = "none"
     # Linear layers of CPU models: auto multiplies forwards of few rows through seqgate's
     # 4/8-bit block kernels (engine/model/lowbit.py) where the weights are exact blocks (in

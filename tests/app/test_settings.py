@@ -68,7 +68,7 @@ def test_precedence_flags_over_env_over_file_over_defaults(props):
     assert s.engine.max_splits == 2  # file
     assert s.engine.max_sparsity == 0.25  # env over file
     assert s.engine.job_queue_size == 11  # flag over env
-    assert s.engine.max_rolling_batch_size == 0 and s.engine.batch_rows == 32  # default: auto
+    assert s.engine.max_rolling_batch_size == 0 and s.engine.batch_rows == 64  # default: auto
     assert s.server.port == 8000
 
 

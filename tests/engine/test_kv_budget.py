@@ -14,6 +14,7 @@ import engine.kv.batch as batch_module
 import engine.kv.slab_sizing as sizing_module
 from engine import ConfigError, EngineConfig, InvalidParams, KvBudgetExceeded, SamplingParams
 from engine.core.sizing import resolved
+from engine.config import AUTO_BATCH_ROWS
 from engine.kv.batch import SubBatch
 from engine.kv.budget import (
     AUTO_MAX_ROWS,
@@ -77,11 +78,11 @@ def test_the_prefix_cache_gets_at_most_its_share_and_the_batch_the_rest():
     assert large.batch_tokens == large.batch // 1000
 
 
-def test_auto_rows_count_rows_of_2k_tokens_between_32_and_256():
+def test_auto_rows_count_rows_of_2k_tokens_between_the_cpu_default_and_256():
     per_token = 128 * 1024  # Llama-3-8B in bf16
     assert KvBudget(60 * GiB, per_token, 0).auto_rows() == 240
     assert KvBudget(200 * GiB, per_token, 0).auto_rows() == AUTO_MAX_ROWS
-    assert KvBudget(GiB, per_token, 0).auto_rows() == 32  # short rows still fill 32
+    assert KvBudget(GiB, per_token, 0).auto_rows() == AUTO_BATCH_ROWS  # short rows fill it
     assert KvBudget(200 * GiB, per_token, 0).auto_rows(cap=100) == 100
 
 
@@ -94,7 +95,7 @@ def test_the_engine_config_on_cuda_splits_once_and_sizes_rows_from_the_budget():
     chosen = resolved(EngineConfig(max_splits=3, max_rolling_batch_size=8), budget, cuda)
     assert (chosen.splits, chosen.batch_rows) == (3, 8)  # what the user set stands
     on_cpu = resolved(EngineConfig(), budget, cpu)
-    assert (on_cpu.splits, on_cpu.batch_rows) == (3, 32)
+    assert (on_cpu.splits, on_cpu.batch_rows) == (3, AUTO_BATCH_ROWS)
     with pytest.raises(ConfigError) as err:
         EngineConfig(max_splits=0)
     assert err.value.field == "max_splits"
@@ -107,7 +108,7 @@ def test_config_validation():
             EngineConfig(**bad)
         assert err.value.field == next(iter(bad))
     auto = EngineConfig()
-    assert auto.max_rolling_batch_size == 0 and auto.batch_rows == 32
+    assert auto.max_rolling_batch_size == 0 and auto.batch_rows == AUTO_BATCH_ROWS == 64
     assert auto.kv_cache_bytes == 0 and auto.gpu_memory_utilization == 0.9
     assert EngineConfig(max_rolling_batch_size=8).batch_rows == 8
     with pytest.raises(ConfigError, match="max_num_batched_tokens"):
