@@ -94,8 +94,10 @@ class ServerSpec:
 SEQGATE = ServerSpec("seqgate", "seqgate")
 # Weight-only int4 (engine/model/quantize.py): the row that compares with llama.cpp's Q4_1 weights.
 SEQGATE_INT4 = ServerSpec("seqgate-int4", "seqgate", ("--quantize", "int4"))
-# int8 weights and activations for forwards of many rows (engine/model/w8a8.py), fp32 elsewhere.
-SEQGATE_W8A8 = ServerSpec("seqgate-w8a8", "seqgate", ("--quantize", "w8a8", "--dtype", "fp32"))
+# int8 weights and activations for forwards of many rows (engine/model/w8a8.py), the host's
+# default dtype elsewhere: bf16 where the CPU has it (the int8 product then needs VNNI or AMX),
+# else fp32.
+SEQGATE_W8A8 = ServerSpec("seqgate-w8a8", "seqgate", ("--quantize", "w8a8"))
 TF_SERVE = ServerSpec("tf-serve", "transformers")
 TF_SERVE_CB = ServerSpec("tf-serve-cb", "transformers", ("--continuous-batching",))
 LLAMA_CPP = ServerSpec("llama.cpp", "llamacpp")

@@ -143,5 +143,5 @@ def _native(report) -> dict | None:
 def _w8a8(report) -> dict | None:
     if report is None or not report.layers:
         return None
-    return {"layers": report.layers, "min_rows": report.min_rows,
+    return {"layers": report.layers, "product": report.product, "min_rows": report.min_rows,
             "ms_per_pass_int8_vs_exact": report.timings}

@@ -1,7 +1,7 @@
 """How far each weight format moves the model's next-token distributions from fp32's.
 
     python -m bench.studies.quality [--num-answers 200] [--max-answer 64] [--max-prompt 256]
-                                    [--variants bf16,int4,int8,torch-int4,w8a8] [--quick]
+                                    [--variants bf16,int4,int8,torch-int4,w8a8,...] [--quick]
 
 ShareGPT first turns with their recorded replies (chat template, reply truncated to
 --max-answer tokens), teacher-forced through the fp32 model and through each variant, one
@@ -16,7 +16,11 @@ whether the two argmaxes agree, and the variant's negative log-likelihood of the
               (engine/model/quantize.py), layers int4 with groups of 32, head int8 per row.
   w8a8        `--quantize w8a8`: the decoder's layers in int8 weights (per channel) times int8
               activations (per token) on every forward (the engine uses it only from a row
-              count measured on the host); the head exact (engine/model/w8a8.py).
+              count measured on the host); the head exact (engine/model/w8a8.py). FBGEMM's
+              product: 7-bit weights.
+  w8a8-onednn the same through the native library's product (oneDNN's int8 sums, 8-bit
+              weights), which the engine uses where the CPU has VNNI or AMX;
+  bf16-w8a8   that product on the bf16 model (`--quantize w8a8` on an AVX512-BF16 CPU).
 The fp32 weights of the embedded model are themselves Q4_1/Q8_0 blocks, so the default fp32
 path (which reads those blocks exactly) is the reference itself. Writes
 bench/results/quality.json.
@@ -34,11 +38,13 @@ from bench.harness import markdown_table
 from bench.provenance import cpu_isa
 from bench.sharegpt import shuffled_exchanges
 from bench.studies.common import base_parser, env_info, load, write_json
+from engine.kernels import native
 from engine.model import w8a8
+from engine.model.loader import default_cache_dir
 from engine.model.blocks import rounded_blocks
 from engine.model.quantize import quantize_model
 
-VARIANTS = ("bf16", "int4", "int8", "torch-int4", "w8a8")
+VARIANTS = ("bf16", "int4", "int8", "torch-int4", "w8a8", "w8a8-onednn", "bf16-w8a8")
 
 
 def _rounded(model: torch.nn.Module, layers: str) -> torch.nn.Module:
@@ -65,9 +71,14 @@ def variant(model: torch.nn.Module, name: str) -> torch.nn.Module:
         out = copy.deepcopy(model)
         quantize_model(out, "int4")
         return out
-    if name == "w8a8":
+    if name in ("w8a8", "w8a8-onednn", "bf16-w8a8"):
         out = copy.deepcopy(model)
-        w8a8.install(out, None)
+        if name == "bf16-w8a8":
+            out = out.to(torch.bfloat16)
+        ops = None if name == "w8a8" else native.kernels(default_cache_dir())
+        if name != "w8a8" and ops is None:
+            raise RuntimeError(f"{name}: the native kernels do not build here")
+        w8a8.install(out, None, ops=ops)
         for layer in out.modules():
             if isinstance(layer, w8a8.W8A8Linear):
                 layer.min_rows = 0

@@ -1,6 +1,6 @@
 """Kernels of our own, compiled for the host CPU the first time they are needed.
 
-Three, built into one library. Attention of one query token per row over a rolling
+Four, built into one library. Attention of one query token per row over a rolling
 batch's KV slab (`csrc/decode_attention.cpp`), bf16 or fp32, on the CPU: PyTorch's CPU
 flash-attention kernel is built for long query blocks; with one query per row it read the KV at
 about 8 GB/s and took 29-40% of a decode step's CPU time at 32 rows (torch.profiler,
@@ -17,7 +17,8 @@ the best vector instruction set the CPU has: AVX512 (F, BW, VL, DQ), else AVX2 (
 F16C), else NEON on ARM; a CPU with none of them runs PyTorch's SDPA. `SEQGATE_KERNEL_ISA=avx2`
 builds the AVX2 kernel on an AVX512 CPU (to test that path there); naming one the CPU lacks
 leaves attention to SDPA and linear layers to PyTorch. The library registers
-`torch.ops.seqgate.decode_attention`, `q4_linear`, `q8_linear` (and `instantiated`,
+`torch.ops.seqgate.decode_attention`, `q4_linear`, `q8_linear`, `h16_linear`,
+`lean_attention_inputs`, `lean_attention_output`, `int8_linear` (and `instantiated`,
 `instruction_set`); one build of it can be loaded per process.
 
 It is built with torch's own extension builder (`torch.utils.cpp_extension`, ninja and the
@@ -48,7 +49,8 @@ import torch
 log = logging.getLogger("seqgate.native")
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("decode_attention.cpp", "lowbit_linear.cpp", "lean_layer.cpp"))
+                for name in ("decode_attention.cpp", "lowbit_linear.cpp", "lean_layer.cpp",
+                             "int8_linear.cpp"))
 # Included by the sources: copied beside them and part of the build key.
 HEADERS = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("vec.h", "lowbit_linear.h"))
@@ -76,8 +78,9 @@ class Native:
     """The loaded library's operators: `decode_attention(query, key, value, mask, scale)` (the
     attention, or None for a call it does not take: then SDPA), `q4_linear(x, q, d, m)`,
     `q8_linear(x, q, d)`, `h16_linear(x, w)` (engine.model.lowbit), `lean_attention_inputs`
-    and `lean_attention_output` (engine.model.llama_layers), `instantiated(dtype, head_dim,
-    groups)` and `instruction_set()`."""
+    and `lean_attention_output` (engine.model.llama_layers), `int8_linear(x, weight, scales,
+    bias)` (engine.model.w8a8), `instantiated(dtype, head_dim, groups)` and
+    `instruction_set()`."""
 
     def __init__(self, library: Path):
         ops = torch.ops.seqgate
@@ -88,6 +91,7 @@ class Native:
         self.h16_linear = ops.h16_linear.default
         self.lean_attention_inputs = ops.lean_attention_inputs.default
         self.lean_attention_output = ops.lean_attention_output.default
+        self.int8_linear = ops.int8_linear.default
         self.instantiated = ops.instantiated.default
         self.instruction_set = ops.instruction_set.default
 
@@ -96,6 +100,19 @@ class Native:
 # microcode and kernel updates and would only cost rebuilds).
 _ISA = re.compile(r"^(sse|ssse|avx|fma|f16c|bmi|amx|vnni|vaes|vpclmul|gfni|movbe|popcnt|lzcnt|"
                   r"abm|adx|sha|asimd|sve|neon|fp|fphp)")
+
+
+# CPU flags of an instruction that sums int8 products in int32 (AVX512-VNNI, AVX-VNNI, AMX):
+# without one, oneDNN sums pairs of u8 × s8 products in int16, which saturates on 8-bit weights.
+_INT8_DOT = {"avx512_vnni", "avx_vnni", "amx_int8"}
+
+
+def int8_dot_product() -> bool:
+    """Whether this CPU sums int8 products in int32 and oneDNN is allowed to use it
+    (`ONEDNN_MAX_CPU_ISA`, which caps it, names a VNNI or AMX level or is unset)."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    allowed = not cap or cap == "ALL" or "VNNI" in cap or "AMX" in cap
+    return allowed and bool(_INT8_DOT & set(_cpu_flags().split()))
 
 
 def _cpu_flags() -> str:

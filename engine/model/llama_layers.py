@@ -113,11 +113,14 @@ class _Native:
     (`csrc/lean_layer.cpp`), the same operators as the Python halves, so the results are equal
     bit for bit and the interpreter's and dispatcher's cost per operator is gone. The limit is
     timed at start (`time_native`); None: the linear layers' own (`BlockLinear.max_rows`).
-    A linear layer set to dense products (`max_rows` 0) turns it off."""
+    A linear layer set to dense products (`max_rows` 0) turns it off. Under w8a8 the blocks
+    are the int8 layers' exact paths (`int8`), and forwards from their int8 row count on stay
+    in Python, where the int8 products run."""
 
-    def __init__(self, ops, linears: tuple[BlockLinear, ...]):
+    def __init__(self, ops, linears: tuple[BlockLinear, ...], int8: tuple[W8A8Linear, ...] = ()):
         self.ops = ops  # engine.kernels.native.Native
         self.linears = linears  # qkv, o, gate_up, down
+        self.int8 = int8
         # Each one's (kind, q, d, m) as the library takes them, built once, not every forward.
         self.blocks = [(_KINDS[b.kind], b.q, b.d, b.m) for b in linears]
         self.dtype = linears[0].weight.dtype
@@ -127,6 +130,8 @@ class _Native:
         rows = hidden.numel() // hidden.shape[-1]
         own = min(b.max_rows for b in self.linears)
         limit = own if self.max_rows is None or not own else self.max_rows
+        if self.int8:
+            limit = min(limit, min(w.min_rows for w in self.int8) - 1)
         return hidden.device.type == "cpu" and hidden.dtype == self.dtype and rows <= limit
 
     def attention_inputs(self, layer: torch.nn.Module, hidden_states: torch.Tensor,
@@ -149,10 +154,14 @@ class _Native:
         if stacked is None:
             return None
         linears = (stacked.qkv, layer.self_attn.o_proj, stacked.gate_up, layer.mlp.down_proj)
+        int8 = tuple(b for b in linears if type(b) is W8A8Linear)
+        if int8 and len(int8) != len(linears):
+            return None
+        linears = tuple(b.exact for b in int8) or linears
         if not all(type(b) is BlockLinear and b.bias is None and b.ops is not None
                    and b.weight.dtype == linears[0].weight.dtype for b in linears):
             return None
-        return cls(linears[0].ops, linears)
+        return cls(linears[0].ops, linears, int8)
 
 
 def _stack(parts: list[torch.nn.Module]) -> torch.nn.Module | None:

@@ -46,11 +46,12 @@ def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
     single = config.tensor_parallel_degree == 1
     dtype = model.get_output_embeddings().weight.dtype
     fp32 = dtype == torch.float32
-    # bf16 layers whose values are a GGUF's blocks get them back for forwards of few rows.
-    blockable = fp32 or (dtype == torch.bfloat16 and config.quantize == "none")
+    # bf16 layers whose values are a GGUF's blocks get them back for forwards of few rows
+    # (w8a8's rows below its int8 range too).
+    blockable = fp32 or (dtype == torch.bfloat16 and config.quantize in ("none", "w8a8"))
     ops = None
     if cpu and single and ((blockable and config.linear_kernel == "auto")
-                           or config.decode_attention == "auto"):
+                           or config.decode_attention == "auto" or config.quantize == "w8a8"):
         ops = native.kernels(cache_dir(config))
     blocks = lowbit.LowbitReport()
     if cpu and single and blockable and ops is not None and config.linear_kernel == "auto":
@@ -62,7 +63,7 @@ def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
                  "rows, kernel vs PyTorch: %s", blocks.q4_layers, blocks.q8_layers,
                  blocks.h16_layers, blocks.mode, blocks.block_bytes / 2**20, blocks.max_rows,
                  blocks.timings)
-    int8 = _install_w8a8(loaded, config, fp32 and single) if config.quantize == "w8a8" else \
+    int8 = _install_w8a8(loaded, config, single, ops) if config.quantize == "w8a8" else \
         w8a8.W8A8Report()
     if config.quantize in ("int4", "int8") and blocks.mode == "off":
         if cpu:
@@ -97,14 +98,26 @@ def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
     return Prepared(packed, prepacked, lean, kernel_layers, blocks, int8, native_layers)
 
 
-def _install_w8a8(loaded: LoadedModel, config: EngineConfig, fits: bool) -> w8a8.W8A8Report:
-    if not (fits and loaded.device.type == "cpu" and w8a8.available()):
-        log.warning("quantize=w8a8 needs an fp32 model on an x86 CPU without tensor parallelism "
-                    "(--dtype fp32): ignored")
+def _install_w8a8(loaded: LoadedModel, config: EngineConfig, single: bool,
+                  ops: native.Native | None) -> w8a8.W8A8Report:
+    """int8 products through the native library where this CPU sums int8 in int32 (fp32 or
+    bf16 models), else through FBGEMM (fp32 models)."""
+    if not (single and loaded.device.type == "cpu"):
+        log.warning("quantize=w8a8 runs on the CPU without tensor parallelism: ignored")
         return w8a8.W8A8Report()
-    report = w8a8.install(loaded.model, cache_dir(config), native.build_key(), config.threads)
-    log.info("w8a8: %d layers multiply forwards of at least %d rows in int8; ms per pass over "
-             "them at n rows, int8 vs exact: %s", report.layers, report.min_rows, report.timings)
+    if ops is not None and not (native.int8_dot_product() and w8a8.int32_sums_exact()):
+        ops = None
+    fp32 = loaded.model.get_output_embeddings().weight.dtype == torch.float32
+    if ops is None and not (fp32 and w8a8.available()):
+        log.warning("quantize=w8a8 needs a CPU that sums int8 products in int32 (VNNI or AMX) "
+                    "and the native kernels, or an fp32 model (--dtype fp32) and FBGEMM: "
+                    "ignored")
+        return w8a8.W8A8Report()
+    report = w8a8.install(loaded.model, cache_dir(config), native.build_key(), config.threads,
+                          ops)
+    log.info("w8a8 (%s): %d layers multiply forwards of at least %d rows in int8; ms per pass "
+             "over them at n rows, int8 vs exact: %s", report.product, report.layers,
+             report.min_rows, report.timings)
     return report
 
 

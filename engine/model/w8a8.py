@@ -1,22 +1,28 @@
 """int8 weights times int8 activations for forwards of many rows (`--quantize w8a8`).
 
 A decode step at high concurrency, or a prompt chunk, multiplies many rows by every weight and
-is bound by arithmetic, not by memory. On x86 CPUs without bf16 instructions, FBGEMM's int8
-product (u8 × s8 pairs summed in int32, `quantized::linear_dynamic`) does about twice the
-multiply-adds per instruction of fp32 FMA. Weights are 7-bit values with one scale per output
-channel (`quantize_weight` says why not 8); activations are 8-bit, quantised per token.
+is bound by arithmetic, not by memory. An int8 product does about twice the multiply-adds per
+instruction of a bf16 one (AVX512-VNNI's `vpdpbusd` against `vdpbf16ps`) and four times those of
+fp32 FMA. Weights have one scale per output channel, activations one per token (row).
 
-FBGEMM quantises its input with one scale for the whole tensor, taken from its min and max. A
-row with large values would then take the resolution of every other row in the batch, and a
-sequence's tokens would depend on what it is batched with. So each row is first divided by its
-own largest magnitude (every row then spans about [-1, 1], and the tensor's one scale serves
-each row alike) and the product multiplied back by it: per-token scales through a per-tensor
-kernel, exact in real arithmetic because the product is linear in each row.
+Two ways of computing it, chosen on the host:
+- Where the CPU sums int8 products in int32 (VNNI or AMX, `native.int8_dot_product`) and the
+  native library is built: `csrc/int8_linear.cpp` quantises each row with its own scale in one
+  pass, multiplies through oneDNN (`torch._int_mm`) and scales the sums back in another. Weights
+  keep all 8 bits; rows may be fp32 or bf16, so it serves the bf16 default of AVX512-BF16 CPUs.
+- Else FBGEMM's dynamic product (`quantized::linear_dynamic`), fp32 rows only, with 7-bit weights
+  (`quantize_weight` says why). FBGEMM quantises its input with one scale for the whole tensor,
+  taken from its min and max; a row with large values would then take the resolution of every
+  other row in the batch, and a sequence's tokens would depend on what it is batched with. So
+  each row is first divided by its own largest magnitude (every row then spans about [-1, 1],
+  and the tensor's one scale serves each row alike) and the product multiplied back by it:
+  per-token scales through a per-tensor kernel, exact in real arithmetic because the product is
+  linear in each row.
 
 Forwards of fewer rows than `min_rows` keep the layer's exact path (the low-bit block kernel or
-PyTorch's fp32 product), which is faster there and changes nothing: w8a8 is the approximation
-only where it buys speed. `min_rows` is measured on the host at start, like the block kernel's
-row limit, and cached with it.
+PyTorch's product), which is faster there and changes nothing: w8a8 is the approximation only
+where it buys speed. `min_rows` is measured on the host at start, like the block kernel's row
+limit, and cached with it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -41,6 +48,32 @@ CANDIDATE_ROWS = (2, 4, 8, 12, 16, 24, 32, 48, 64)
 def available() -> bool:
     """FBGEMM's int8 kernels are in this PyTorch build (x86 CPUs with AVX2 or later)."""
     return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+class Int8Weights(NamedTuple):
+    """A layer's weights for the native product: [in, out] int8 (-127..127), and one fp32
+    scale per output channel."""
+
+    weight: torch.Tensor
+    scales: torch.Tensor
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> Int8Weights:
+        w = weight.detach().float()
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        q = torch.round(w / scales[:, None]).to(torch.int8)
+        return cls(q.t().contiguous(), scales.contiguous())
+
+
+def int32_sums_exact() -> bool:
+    """Whether `torch._int_mm` sums 8-bit products exactly here: with every value at ±127 a
+    kernel that sums u8 × s8 pairs in int16 saturates (255 × 127 × 2 > 32767)."""
+    a = torch.full((8, 64), 127, dtype=torch.int8)
+    a[1::2] = -127
+    b = torch.full((64, 16), 127, dtype=torch.int8)
+    b[:, 1::2] = -127
+    want = (a.double() @ b.double()).to(torch.int32)  # at most 64 × 127²: exact in a double
+    return torch.equal(torch._int_mm(a, b), want)
 
 
 def quantize_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -65,14 +98,19 @@ def int8_product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 class W8A8Linear(torch.nn.Module):
     """A linear layer that multiplies forwards of at least `min_rows` rows in int8 and the
-    others through `exact` (the layer it replaced, still in the model's state)."""
+    others through `exact` (the layer it replaced, still in the model's state). `ops`: the
+    native library, whose `int8_linear` multiplies (fp32 or bf16 rows); None: FBGEMM (fp32)."""
 
-    def __init__(self, exact: torch.nn.Module, min_rows: int):
+    def __init__(self, exact: torch.nn.Module, min_rows: int, ops=None):
         super().__init__()
         self.exact = exact
         self.in_features, self.out_features = exact.in_features, exact.out_features
-        self.packed = quantize_weight(exact.weight)
+        self.ops = ops
+        self.packed: torch.Tensor | Int8Weights | None = (
+            quantize_weight(exact.weight) if ops is None else Int8Weights.of(exact.weight))
         self.min_rows = min_rows
+        # The dtype its rows must have: FBGEMM's product takes fp32 alone.
+        self.dtype = torch.float32 if ops is None else exact.weight.dtype
 
     @property
     def weight(self) -> torch.nn.Parameter:
@@ -83,12 +121,14 @@ class W8A8Linear(torch.nn.Module):
         return self.exact.bias
 
     def int8_forward(self, flat: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.int8_linear(flat, self.packed.weight, self.packed.scales, self.bias)
         out = int8_product(flat, self.packed)
         return out if self.bias is None else out.add_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if (rows < self.min_rows or self.packed is None or x.dtype != torch.float32
+        if (rows < self.min_rows or self.packed is None or x.dtype != self.dtype
                 or x.device.type != "cpu"):
             return self.exact(x)
         flat = x.reshape(rows, self.in_features)
@@ -99,8 +139,9 @@ class W8A8Linear(torch.nn.Module):
 
     @classmethod
     def around(cls, exact: torch.nn.Module, like: W8A8Linear) -> W8A8Linear:
-        """A W8A8Linear over `exact` (a stack of layers' exact paths) with `like`'s row limit."""
-        return cls(exact, like.min_rows)
+        """A W8A8Linear over `exact` (a stack of layers' exact paths) with `like`'s row limit
+        and product."""
+        return cls(exact, like.min_rows, like.ops)
 
     def drop_packed(self) -> None:
         """Free this layer's int8 weights where a stack of it serves them (the lean layers):
@@ -116,24 +157,28 @@ class W8A8Report:
     layers: int = 0
     min_rows: int = 0
     timings: dict | None = None
+    product: str = ""  # "onednn" (the native library's) or "fbgemm"
 
 
 def install(model: torch.nn.Module, cache: Path | None, build_key: str = "",
-            threads: int | None = None) -> W8A8Report:
-    """Give the fp32 CPU linear layers of `model`'s decoder an int8 path (in place); the output
-    head keeps its exact products, since the logits are what sampling and log-probabilities
-    read. `threads`: the engine thread's torch threads for timing (None: this thread's)."""
+            threads: int | None = None, ops=None) -> W8A8Report:
+    """Give the CPU linear layers of `model`'s decoder an int8 path (in place): fp32 and bf16
+    ones through the native library's product where `ops` is given, else fp32 ones through
+    FBGEMM. The output head keeps its exact products, since the logits are what sampling and
+    log-probabilities read. `threads`: the engine thread's torch threads for timing (None:
+    this thread's)."""
     head = model.get_output_embeddings()
+    dtypes = (torch.float32,) if ops is None else (torch.float32, torch.bfloat16)
     made = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             weight = getattr(child, "weight", None)
             if (child is head or isinstance(child, W8A8Linear) or not hasattr(child, "in_features")
-                    or not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32
+                    or not isinstance(weight, torch.Tensor) or weight.dtype not in dtypes
                     or weight.device.type != "cpu" or weight.dim() != 2
                     or child._forward_hooks or child._forward_pre_hooks):
                 continue
-            made.append((parent, name, W8A8Linear(child, 0)))
+            made.append((parent, name, W8A8Linear(child, 0, ops)))
     if not made:
         return W8A8Report()
     layers = [layer for _, _, layer in made]
@@ -142,7 +187,7 @@ def install(model: torch.nn.Module, cache: Path | None, build_key: str = "",
     for parent, name, layer in made:
         layer.min_rows = min_rows
         setattr(parent, name, layer)
-    return W8A8Report(len(layers), min_rows, timings)
+    return W8A8Report(len(layers), min_rows, timings, "fbgemm" if ops is None else "onednn")
 
 
 def _min_rows(layers: list[W8A8Linear], cache: Path | None,
@@ -151,7 +196,7 @@ def _min_rows(layers: list[W8A8Linear], cache: Path | None,
     path = None if cache is None else Path(cache) / "kernels" / "w8a8-rows.json"
     shapes = sorted({(type(b.exact).__name__, b.out_features, b.in_features) for b in layers})
     key = json.dumps([build_key, torch.__version__, torch.get_num_threads(), len(layers), shapes,
-                      CANDIDATE_ROWS])
+                      str(layers[0].dtype), layers[0].ops is not None, CANDIDATE_ROWS])
 
     def measure() -> dict:
         min_rows, timings = choose_min_rows(layers)
@@ -172,7 +217,8 @@ def choose_min_rows(layers: list[W8A8Linear], rows: tuple[int, ...] = CANDIDATE_
     wins: list[bool] = []
     with torch.no_grad():
         for n in rows:
-            inputs = {b.in_features: torch.randn(n, b.in_features) for b in layers}
+            inputs = {b.in_features: torch.randn(n, b.in_features, dtype=b.dtype)
+                      for b in layers}
             int8 = best_of(2, lambda x=inputs: [b.int8_forward(x[b.in_features]) for b in layers])
             exact = best_of(2, lambda x=inputs: [b.exact(x[b.in_features]) for b in layers])
             timings[str(n)] = [round(int8 * 1e3, 3), round(exact * 1e3, 3)]

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LoadedModel, SamplingParams, load_model
+from engine.kernels import native
 from engine.model import w8a8
 
 QUESTIONS = [
@@ -109,7 +110,7 @@ def compare(fp32: torch.Tensor, tokens: list[int], logprobs: list):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype, quantize", [("bf16", "none"), ("auto", "none"),
-                                             ("fp32", "w8a8")])
+                                             ("fp32", "w8a8"), ("bf16", "w8a8")])
 def test_default_path_next_tokens_match_fp32(dtype, quantize, smollm2, fp32_reference,
                                              make_engine):
     loaded = load_model(EngineConfig(dtype=dtype))
@@ -117,6 +118,9 @@ def test_default_path_next_tokens_match_fp32(dtype, quantize, smollm2, fp32_refe
         pytest.skip("dtype=auto is bf16 on this host: the bf16 case covers it")
     if quantize == "w8a8" and not w8a8.available():
         pytest.skip("no FBGEMM in this PyTorch build")
+    if (quantize, dtype) == ("w8a8", "bf16") and not (
+            native.instruction_set() and native.int8_dot_product() and w8a8.int32_sums_exact()):
+        pytest.skip("bf16 w8a8 needs the native kernels and int8 sums in int32 (VNNI or AMX)")
     assert loaded.model is not smollm2.model  # the engine works on its own copy
     attention = smollm2.model.config._attn_implementation
     eng = make_engine(loaded, dtype=dtype, quantize=quantize)

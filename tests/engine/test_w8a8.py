@@ -106,7 +106,8 @@ def test_prepare_installs_w8a8_under_the_lean_layers(smollm2: LoadedModel):
     attn = loaded.model.model.layers[0].self_attn
     x = torch.randn(16, attn.q_proj.in_features)
     qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
-    parts = torch.cat([W8A8Linear(p.exact, 0).int8_forward(x) for p in qkv], -1)
+    parts = torch.cat([W8A8Linear(p.exact, 0, stacked.qkv.ops).int8_forward(x) for p in qkv],
+                      -1)
     torch.testing.assert_close(stacked.qkv.int8_forward(x), parts)
     # Only the stack keeps int8 weights; a part called alone computes exactly.
     assert all(p.packed is None for p in qkv) and stacked.qkv.packed is not None
@@ -126,3 +127,97 @@ def test_w8a8_is_a_quantize_mode_and_nothing_else_installs_it(smollm2: LoadedMod
     assert prepare(loaded, EngineConfig(dtype="fp32")).w8a8.layers == 0
     assert not any(isinstance(m, W8A8Linear) for m in loaded.model.modules())
 
+
+
+# -- the native product (csrc/int8_linear.cpp): oneDNN's int8 sums, 8-bit weights, bf16 rows ----
+
+@pytest.fixture(scope="module")
+def ops():
+    from engine.kernels import native
+    from engine.model.loader import default_cache_dir
+
+    built = native.kernels(default_cache_dir()) if native.instruction_set() else None
+    if built is None:
+        pytest.skip("no native kernels on this machine")
+    return built
+
+
+def _reference(x: torch.Tensor, weights: w8a8.Int8Weights, bias) -> torch.Tensor:
+    """What the native product computes, in float64: each row rounded to -127..127 with its
+    own scale, integer sums, scaled back per row and per channel."""
+    x = x.double()
+    amax = x.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax.float().double() / 127, torch.ones_like(amax))
+    q = torch.round(x * (127 / torch.where(amax > 0, amax, torch.full_like(amax, 127))))
+    out = (q @ weights.weight.double()) * scale * weights.scales.double()
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_the_native_int8_product_is_the_quantised_arithmetic(ops, dtype, rows):
+    layer = _linear().to(dtype)
+    int8 = W8A8Linear(layer, 0, ops)
+    x = torch.randn(rows, layer.in_features).to(dtype)
+    x[0] = 0  # an all-zero row stays zero
+    got = int8.int8_forward(x)
+    assert got.dtype == dtype and got.shape == (rows, layer.out_features)
+    want = _reference(x, int8.packed, layer.bias.detach())
+    # Exact integer sums; the scaling is fp32 and the result rounded to the rows' dtype.
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    assert torch.equal(got[0], layer.bias.detach())
+    if rows > 1:  # and it approximates the layer as FBGEMM's does
+        err = _relative_error(got[1:].float(), layer(x[1:]).detach().float())
+        assert err.max() < 0.03, err
+
+
+def test_a_row_of_the_native_product_does_not_depend_on_its_batch(ops):
+    layer = _linear(bias=False).to(torch.bfloat16)
+    int8 = W8A8Linear(layer, 0, ops)
+    small = torch.randn(1, layer.in_features).bfloat16()
+    big = (1e4 * torch.randn(7, layer.in_features)).bfloat16()
+    alone = int8.int8_forward(small)
+    assert torch.equal(int8.int8_forward(torch.cat([big[:3], small, big[3:]]))[3:4], alone)
+
+
+def test_bf16_rows_below_min_rows_take_the_exact_path(ops):
+    layer = _linear().to(torch.bfloat16)
+    int8 = W8A8Linear(layer, min_rows=8, ops=ops)
+    x = torch.randn(7, layer.in_features).bfloat16()
+    assert torch.equal(int8(x), layer(x))
+    x = torch.randn(8, layer.in_features).bfloat16()
+    assert torch.equal(int8(x), int8.int8_forward(x))
+
+
+def test_int_mm_sums_are_exact_where_the_cpu_has_an_int8_dot_product():
+    from engine.kernels import native
+
+    if not native.int8_dot_product():
+        pytest.skip("no VNNI or AMX here (or oneDNN capped below it)")
+    assert w8a8.int32_sums_exact()
+
+
+def test_prepare_puts_a_bf16_model_on_the_native_int8_product_under_native_layers(
+        ops, smollm2: LoadedModel):
+    from engine.kernels import native
+
+    if not (native.int8_dot_product() and w8a8.int32_sums_exact()):
+        pytest.skip("the native int8 product is chosen only where int8 sums are exact in int32")
+    loaded = copy.copy(smollm2)
+    loaded.model = load_model(EngineConfig(dtype="bf16")).model
+    prepared = prepare(loaded, EngineConfig(dtype="bf16", quantize="w8a8"))
+    layers = loaded.model.config.num_hidden_layers
+    assert (prepared.w8a8.layers, prepared.w8a8.product) == (7 * layers, "onednn")
+    assert prepared.lowbit.max_rows > 0  # rows below int8's stay on the exact blocks
+    layer = loaded.model.model.layers[0]
+    stacked, lean = vars(layer)["_lean_stacked"], vars(layer)["_lean_native"]
+    assert type(stacked.qkv) is W8A8Linear and stacked.qkv.ops is ops
+    if prepared.w8a8.min_rows < NEVER:
+        assert lean is not None and len(lean.int8) == 4
+        for w in lean.int8:
+            w.min_rows = 3
+        assert lean.takes(torch.zeros(2, 1, layer.input_layernorm.weight.shape[0],
+                                      dtype=torch.bfloat16))
+        assert not lean.takes(torch.zeros(3, 1, layer.input_layernorm.weight.shape[0],
+                                          dtype=torch.bfloat16))
