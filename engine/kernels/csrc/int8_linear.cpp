@@ -4,7 +4,7 @@
 //
 // The product is where the time goes, but done as separate ATen operators the quantising and
 // scaling passes cost more than int8 saves over bf16 (six operators over the activations and
-// three over the int32 sums). Here each is one pass over its rows.
+// three over the int32 sums). Here each is one vectorised pass over its rows.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -14,21 +14,46 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
+
+#include "vec.h"
 
 namespace {
+
+using seqgate::kLanes;
+using seqgate::load;
+using seqgate::Vec;
+
+inline void store(float* p, const Vec& v) { v.store(p); }
+inline void store(at::BFloat16* p, const Vec& v) {
+  // Rounded to nearest even, as a .to(torch.bfloat16) does; only the first kLanes are stored.
+  at::vec::convert_from_float<at::BFloat16>(v, v).store(p, kLanes);
+}
 
 template <typename T>
 void quantise_rows(const T* x, int64_t rows, int64_t cols, int8_t* q, float* scales) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    int32_t ints[kLanes];
+    float lanes[kLanes];
     for (int64_t r = begin; r < end; ++r) {
       const T* row = x + r * cols;
-      float amax = 0.f;
-      for (int64_t c = 0; c < cols; ++c) amax = std::max(amax, std::fabs(static_cast<float>(row[c])));
+      int64_t c = 0;
+      Vec top(0.f);
+      for (; c + kLanes <= cols; c += kLanes) top = at::vec::maximum(top, load(row + c).abs());
+      top.store(lanes);
+      float amax = *std::max_element(lanes, lanes + kLanes);
+      for (; c < cols; ++c) amax = std::max(amax, std::fabs(static_cast<float>(row[c])));
       // An all-zero row quantises to zeros with any scale; 1 keeps the inverse finite.
       const float scale = amax > 0.f ? amax / 127.f : 1.f;
       const float inverse = 127.f / (amax > 0.f ? amax : 127.f);
       int8_t* out = q + r * cols;
-      for (int64_t c = 0; c < cols; ++c)
+      const Vec inv(inverse);
+      for (c = 0; c + kLanes <= cols; c += kLanes) {
+        // round(): to nearest even, as std::nearbyint in the default rounding mode.
+        at::vec::convert_to_int_of_same_size((load(row + c) * inv).round()).store(ints);
+        for (int i = 0; i < kLanes; ++i) out[c + i] = static_cast<int8_t>(ints[i]);
+      }
+      for (; c < cols; ++c)
         out[c] = static_cast<int8_t>(std::nearbyint(static_cast<float>(row[c]) * inverse));
       scales[r] = scale;
     }
@@ -43,13 +68,18 @@ void scale_back(const int32_t* sums, int64_t rows, int64_t cols, const float* ro
       const int32_t* in = sums + r * cols;
       T* o = out + r * cols;
       const float rs = row_scales[r];
-      if (bias == nullptr) {
-        for (int64_t c = 0; c < cols; ++c)
-          o[c] = static_cast<T>(static_cast<float>(in[c]) * rs * col_scales[c]);
-      } else {
-        for (int64_t c = 0; c < cols; ++c)
-          o[c] = static_cast<T>(static_cast<float>(in[c]) * rs * col_scales[c] +
-                                static_cast<float>(bias[c]));
+      const Vec vrs(rs);
+      int64_t c = 0;
+      for (; c + kLanes <= cols; c += kLanes) {
+        Vec v = at::vec::convert_to_fp_of_same_size<float>(
+                    at::vec::Vectorized<int32_t>::loadu(in + c)) * vrs * Vec::loadu(col_scales + c);
+        if (bias != nullptr) v = v + load(bias + c);
+        store(o + c, v);
+      }
+      for (; c < cols; ++c) {
+        float v = static_cast<float>(in[c]) * rs * col_scales[c];
+        if (bias != nullptr) v += static_cast<float>(bias[c]);
+        o[c] = static_cast<T>(v);
       }
     }
   });
@@ -76,14 +106,19 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
     TORCH_CHECK(bias->numel() == n, "int8_linear: one bias per output channel expected");
     b = bias->to(rows.scalar_type()).contiguous();
   }
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, rows.scalar_type(), "int8_linear", [&] {
-    quantise_rows(rows.const_data_ptr<scalar_t>(), m, k, q.data_ptr<int8_t>(),
+  auto run = [&](auto* rows_of_type) {
+    using T = std::remove_pointer_t<decltype(rows_of_type)>;
+    quantise_rows(rows.const_data_ptr<T>(), m, k, q.data_ptr<int8_t>(),
                   row_scales.data_ptr<float>());
     const at::Tensor sums = at::_int_mm(q, weight);
     scale_back(sums.const_data_ptr<int32_t>(), m, n, row_scales.const_data_ptr<float>(),
-               scales.const_data_ptr<float>(), b ? b->const_data_ptr<scalar_t>() : nullptr,
-               out.data_ptr<scalar_t>());
-  });
+               scales.const_data_ptr<float>(), b ? b->const_data_ptr<T>() : nullptr,
+               out.data_ptr<T>());
+  };
+  if (rows.scalar_type() == at::kFloat)
+    run(static_cast<float*>(nullptr));
+  else
+    run(static_cast<at::BFloat16*>(nullptr));
   return out;
 }
 
