@@ -18,6 +18,18 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="session")
+def ops():
+    """The native library's operators (engine.kernels.native); skips where it is not built."""
+    from engine.kernels import native
+    from engine.model.loader import default_cache_dir
+
+    built = native.kernels(default_cache_dir()) if native.instruction_set() else None
+    if built is None:
+        pytest.skip("no native kernels on this machine")
+    return built
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
     """The embedded default model, loaded once per test session.
 

@@ -40,8 +40,8 @@ from bench.sharegpt import shuffled_exchanges
 from bench.studies.common import base_parser, env_info, load, write_json
 from engine.kernels import native
 from engine.model import w8a8
-from engine.model.loader import default_cache_dir
 from engine.model.blocks import rounded_blocks
+from engine.model.loader import default_cache_dir
 from engine.model.quantize import quantize_model
 
 VARIANTS = ("bf16", "int4", "int8", "torch-int4", "w8a8", "w8a8-onednn", "bf16-w8a8")

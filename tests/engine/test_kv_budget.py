@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 import engine.kv.batch as batch_module
 import engine.kv.slab_sizing as sizing_module
 from engine import ConfigError, EngineConfig, InvalidParams, KvBudgetExceeded, SamplingParams
-from engine.core.sizing import resolved
 from engine.config import AUTO_BATCH_ROWS
+from engine.core.sizing import resolved
 from engine.kv.batch import SubBatch
 from engine.kv.budget import (
     AUTO_MAX_ROWS,

@@ -14,7 +14,6 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from engine import EngineConfig, LoadedModel, SamplingParams
-from engine.kernels import native
 from engine.model import llama_layers, lowbit
 from engine.model.blocks import BLOCK, blocks_of_bf16, exact_blocks, rounded_blocks
 from engine.model.lowbit import BlockLinear
@@ -23,16 +22,6 @@ from engine.model.prepare import original_model, prepare
 from engine.model.runner import cache_keyword
 from tests.engine.helpers import collect, reference_greedy, varied_prompts
 from tests.engine.test_native import needs_kernel
-
-
-@pytest.fixture(scope="module")
-def ops():
-    from engine.model.loader import default_cache_dir
-
-    built = native.kernels(default_cache_dir()) if native.instruction_set() else None
-    if built is None:
-        pytest.skip("no native kernels on this machine")
-    return built
 
 
 def _q4_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:

@@ -131,17 +131,6 @@ def test_w8a8_is_a_quantize_mode_and_nothing_else_installs_it(smollm2: LoadedMod
 
 # -- the native product (csrc/int8_linear.cpp): oneDNN's int8 sums, 8-bit weights, bf16 rows ----
 
-@pytest.fixture(scope="module")
-def ops():
-    from engine.kernels import native
-    from engine.model.loader import default_cache_dir
-
-    built = native.kernels(default_cache_dir()) if native.instruction_set() else None
-    if built is None:
-        pytest.skip("no native kernels on this machine")
-    return built
-
-
 def _reference(x: torch.Tensor, weights: w8a8.Int8Weights, bias) -> torch.Tensor:
     """What the native product computes, in float64: each row rounded to -127..127 with its
     own scale, integer sums, scaled back per row and per channel."""
