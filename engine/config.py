@@ -190,9 +190,14 @@ class EngineConfig:
     @property
     def batch_rows(self) -> int:
         """The most sequences the rolling batch runs: `max_rolling_batch_size`, or when that is
-        0, AUTO_BATCH_ROWS (on CUDA the engine derives it from the KV budget instead, and runs
-        with that value set)."""
-        return self.max_rolling_batch_size or AUTO_BATCH_ROWS
+        0, AUTO_BATCH_ROWS, below a `max_num_batched_tokens` set (so that prompts progress
+        while the batch decodes, as on CUDA, where the engine derives the rows from the KV
+        budget instead and runs with that value set)."""
+        if self.max_rolling_batch_size:
+            return self.max_rolling_batch_size
+        if self.max_num_batched_tokens:
+            return max(1, min(AUTO_BATCH_ROWS, self.max_num_batched_tokens - 1))
+        return AUTO_BATCH_ROWS
 
     @property
     def splits(self) -> int:

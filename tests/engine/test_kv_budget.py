@@ -112,7 +112,10 @@ def test_config_validation():
     assert auto.kv_cache_bytes == 0 and auto.gpu_memory_utilization == 0.9
     assert EngineConfig(max_rolling_batch_size=8).batch_rows == 8
     with pytest.raises(ConfigError, match="max_num_batched_tokens"):
-        EngineConfig(max_num_batched_tokens=32)  # not above the automatic 32 rows
+        EngineConfig(max_rolling_batch_size=32, max_num_batched_tokens=32)  # not above the rows
+    # Automatic rows stay below a token budget that is set.
+    assert EngineConfig(max_num_batched_tokens=48).batch_rows == 47
+    assert EngineConfig(max_num_batched_tokens=512).batch_rows == AUTO_BATCH_ROWS
 
 
 def test_a_job_that_cannot_fit_alone_names_what_to_reduce():
