@@ -63,7 +63,7 @@ def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
                  "rows, kernel vs PyTorch: %s", blocks.q4_layers, blocks.q8_layers,
                  blocks.h16_layers, blocks.mode, blocks.block_bytes / 2**20, blocks.max_rows,
                  blocks.timings)
-    int8 = _install_w8a8(loaded, config, single, ops) if config.quantize == "w8a8" else \
+    int8 = _install_w8a8(loaded, config, single, fp32, ops) if config.quantize == "w8a8" else \
         w8a8.W8A8Report()
     if config.quantize in ("int4", "int8") and blocks.mode == "off":
         if cpu:
@@ -98,7 +98,7 @@ def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
     return Prepared(packed, prepacked, lean, kernel_layers, blocks, int8, native_layers)
 
 
-def _install_w8a8(loaded: LoadedModel, config: EngineConfig, single: bool,
+def _install_w8a8(loaded: LoadedModel, config: EngineConfig, single: bool, fp32: bool,
                   ops: native.Native | None) -> w8a8.W8A8Report:
     """int8 products through the native library where this CPU sums int8 in int32 (fp32 or
     bf16 models), else through FBGEMM (fp32 models)."""
@@ -107,7 +107,6 @@ def _install_w8a8(loaded: LoadedModel, config: EngineConfig, single: bool,
         return w8a8.W8A8Report()
     if ops is not None and not (native.int8_dot_product() and w8a8.int32_sums_exact()):
         ops = None
-    fp32 = loaded.model.get_output_embeddings().weight.dtype == torch.float32
     if ops is None and not (fp32 and w8a8.available()):
         log.warning("quantize=w8a8 needs a CPU that sums int8 products in int32 (VNNI or AMX) "
                     "and the native kernels, or an fp32 model (--dtype fp32) and FBGEMM: "
