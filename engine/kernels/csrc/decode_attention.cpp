@@ -13,6 +13,9 @@
 // element type (bf16, fp32), head size and query heads per KV head. Built on first use by
 // engine/kernels/native.py; registered as torch.ops.seqgate.*. Checked against
 // PyTorch's SDPA in tests/engine/test_native.py.
+//
+// On a CPU with AVX512-BF16, bf16 keys are dotted with the query by its pair instruction
+// (`scores_bf16_dot`, chosen at run time), without widening them to fp32.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -99,6 +102,77 @@ void scores(const Problem& p, const T* kp, const bool* mr, const float* qf, floa
     mx[g] = at::vec::vec_reduce_all([](Vec a, Vec b) { return at::vec::maximum(a, b); }, vmax[g]);
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// Whether the CPU multiplies bf16 pairs into fp32 sums in one instruction (AVX512-BF16's
+// vdpbf16ps): Zen 4, Cooper Lake, Sapphire Rapids and later.
+const bool kBf16Dot = __builtin_cpu_supports("avx512bf16");
+
+// `scores` for bf16 keys on such a CPU: each pair of a key's elements is multiplied by the
+// query's and summed into an fp32 lane by vdpbf16ps, with no widening of the key to fp32 (a
+// third of the instructions of widening it and multiplying in fp32). A product of two bf16 is
+// exact in fp32, so only the order of the sums differs from `scores`. The query is taken as
+// it is (bf16) and the scale applied to its sums.
+template <int D, int G>
+__attribute__((target("avx512bf16"))) void scores_bf16_dot(
+    const Problem& p, const at::BFloat16* kp, const bool* mr, const at::BFloat16* q, float* s,
+    float* parts, int64_t padded, float* mx) {
+  constexpr int kKeys = G >= 5 ? 1 : G >= 3 ? 2 : G == 2 ? 4 : 8;
+  constexpr int kPairs = D / 32;  // a register holds 32 bf16
+  static_assert(kLanes == 16 && D % 32 == 0);
+  __m512bh qv[G * kPairs];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < kPairs; ++j)
+      qv[g * kPairs + j] = (__m512bh)_mm512_loadu_si512(q + g * p.q_head + j * 32);
+  const Vec scale(p.scale);
+  Vecs<G> vmax;
+  for (int g = 0; g < G; ++g) vmax[g] = Vec(kHidden);
+  for (int64_t c0 = 0; c0 < p.columns; c0 += kLanes) {
+    const int n = static_cast<int>(std::min<int64_t>(kLanes, p.columns - c0));
+    int shown = n;
+    if (mr) {
+      shown = 0;
+      for (int i = 0; i < n; ++i) shown += mr[c0 + i];
+    }
+    if (shown == 0) {
+      for (int g = 0; g < G; ++g) Vec(kHidden).store(s + g * padded + c0);
+      continue;
+    }
+    for (int i = 0; i < kLanes; ++i)
+      prefetch_row<at::BFloat16, D>(
+          kp + std::min<int64_t>(c0 + 2 * kLanes + i, p.columns - 1) * p.k_col);
+    for (int i = 0; i < n; i += kKeys) {
+      __m512 acc[kKeys * G];
+      const at::BFloat16* key[kKeys];
+      for (int b = 0; b < kKeys; ++b) {
+        key[b] = kp + std::min<int64_t>(c0 + i + b, p.columns - 1) * p.k_col;
+        for (int g = 0; g < G; ++g) acc[b * G + g] = _mm512_setzero_ps();
+      }
+      for (int j = 0; j < kPairs; ++j)
+        for (int b = 0; b < kKeys; ++b) {
+          const __m512bh kv = (__m512bh)_mm512_loadu_si512(key[b] + j * 32);
+          for (int g = 0; g < G; ++g)
+            acc[b * G + g] = _mm512_dpbf16_ps(acc[b * G + g], kv, qv[g * kPairs + j]);
+        }
+      for (int b = 0; b < kKeys; ++b)
+        for (int g = 0; g < G; ++g)
+          _mm512_storeu_ps(parts + (g * kLanes + i + b) * kLanes, acc[b * G + g]);
+    }
+    for (int g = 0; g < G; ++g) {
+      float* sg = s + g * padded + c0;
+      Vecs<kLanes> dots;
+      for (int i = 0; i < kLanes; ++i) dots[i] = Vec::loadu(parts + (g * kLanes + i) * kLanes);
+      (sum_lanes(dots) * scale).store(sg);
+      if (shown < kLanes)
+        for (int i = 0; i < kLanes; ++i)
+          if (i >= n || (mr && !mr[c0 + i])) sg[i] = kHidden;
+      vmax[g] = at::vec::maximum(vmax[g], Vec::loadu(sg));
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    mx[g] = at::vec::vec_reduce_all([](Vec a, Vec b) { return at::vec::maximum(a, b); }, vmax[g]);
+}
+#endif
+
 // Scores into unnormalised weights, in place; returns 1 / their sum per query. A NaN among the
 // scores (a NaN maximum) makes every weight, so the whole output, NaN, as with SDPA.
 template <int G>
@@ -177,7 +251,18 @@ void attend(const Problem& p, int64_t task, int64_t padded, float* scratch) {
     for (int j = 0; j < D; j += kLanes)
       (load(q + g * p.q_head + j) * Vec(p.scale)).store(qf + g * D + j);
   float mx[G], inv[G];
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, at::BFloat16> && D % 32 == 0) {
+    if (kBf16Dot)
+      scores_bf16_dot<D, G>(p, kp, mr, q, s, parts, padded, mx);
+    else
+      scores<T, D, G>(p, kp, mr, qf, s, parts, padded, mx);
+  } else {
+    scores<T, D, G>(p, kp, mr, qf, s, parts, padded, mx);
+  }
+#else
   scores<T, D, G>(p, kp, mr, qf, s, parts, padded, mx);
+#endif
   softmax<G>(s, padded, mx, inv);
   if constexpr (std::is_same_v<T, float>) {
     weighted_values<T, D, G>(p, vp, mr, s, padded, inv, out);
