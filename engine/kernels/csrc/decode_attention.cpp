@@ -49,6 +49,47 @@ struct Problem {
   float scale;
 };
 
+// How many of the `n` columns from `c0` the mask row shows (all of them without a mask).
+inline int shown_in(const bool* mr, int64_t c0, int n) {
+  if (!mr) return n;
+  int shown = 0;
+  for (int i = 0; i < n; ++i) shown += mr[c0 + i];
+  return shown;
+}
+
+// The start of a block of kLanes columns from `c0` that shows `shown` of them: none shown, its
+// scores are kHidden and false is returned (nothing to read); else the keys two blocks ahead
+// are fetched into the cache.
+template <typename T, int D, int G>
+inline bool begin_block(const Problem& p, const T* kp, int64_t c0, int shown, float* s,
+                        int64_t padded) {
+  if (shown == 0) {
+    for (int g = 0; g < G; ++g) Vec(kHidden).store(s + g * padded + c0);
+    return false;
+  }
+  for (int i = 0; i < kLanes; ++i)
+    prefetch_row<T, D>(kp + std::min<int64_t>(c0 + 2 * kLanes + i, p.columns - 1) * p.k_col);
+  return true;
+}
+
+// A block of kLanes columns' scores from its dot products' lane sums (`parts`: per query,
+// kLanes vectors, one per column): each column's lanes summed, times `scale`; hidden columns
+// and those past the last set to kHidden; each query's running maximum updated.
+template <int G>
+inline void finish_block(float* parts, float* s, int64_t padded, int64_t c0, int n, int shown,
+                         const bool* mr, const Vec& scale, Vecs<G>& vmax) {
+  for (int g = 0; g < G; ++g) {
+    float* sg = s + g * padded + c0;
+    Vecs<kLanes> dots;
+    for (int i = 0; i < kLanes; ++i) dots[i] = Vec::loadu(parts + (g * kLanes + i) * kLanes);
+    (sum_lanes(dots) * scale).store(sg);
+    if (shown < kLanes)  // a block at the edge of the mask, or the last
+      for (int i = 0; i < kLanes; ++i)
+        if (i >= n || (mr && !mr[c0 + i])) sg[i] = kHidden;
+    vmax[g] = at::vec::maximum(vmax[g], Vec::loadu(sg));
+  }
+}
+
 // Scores of the group's queries (qf) against every key of one (row, KV head) into s, hidden
 // keys and the padding after the last as kHidden; returns each query's maximum.
 template <typename T, int D, int G>
@@ -59,17 +100,8 @@ void scores(const Problem& p, const T* kp, const bool* mr, const float* qf, floa
   for (int g = 0; g < G; ++g) vmax[g] = Vec(kHidden);
   for (int64_t c0 = 0; c0 < p.columns; c0 += kLanes) {
     const int n = static_cast<int>(std::min<int64_t>(kLanes, p.columns - c0));
-    int shown = n;
-    if (mr) {
-      shown = 0;
-      for (int i = 0; i < n; ++i) shown += mr[c0 + i];
-    }
-    if (shown == 0) {
-      for (int g = 0; g < G; ++g) Vec(kHidden).store(s + g * padded + c0);
-      continue;
-    }
-    for (int i = 0; i < kLanes; ++i)
-      prefetch_row<T, D>(kp + std::min<int64_t>(c0 + 2 * kLanes + i, p.columns - 1) * p.k_col);
+    const int shown = shown_in(mr, c0, n);
+    if (!begin_block<T, D, G>(p, kp, c0, shown, s, padded)) continue;
     for (int i = 0; i < n; i += kKeys) {
       Vecs<kKeys * G> acc;
       const T* key[kKeys];  // past the last column: the last again, its scores discarded
@@ -87,16 +119,7 @@ void scores(const Problem& p, const T* kp, const bool* mr, const float* qf, floa
       for (int b = 0; b < kKeys; ++b)
         for (int g = 0; g < G; ++g) acc[b * G + g].store(parts + (g * kLanes + i + b) * kLanes);
     }
-    for (int g = 0; g < G; ++g) {
-      float* sg = s + g * padded + c0;
-      Vecs<kLanes> dots;
-      for (int i = 0; i < kLanes; ++i) dots[i] = Vec::loadu(parts + (g * kLanes + i) * kLanes);
-      sum_lanes(dots).store(sg);
-      if (shown < kLanes)  // a block at the edge of the mask, or the last
-        for (int i = 0; i < kLanes; ++i)
-          if (i >= n || (mr && !mr[c0 + i])) sg[i] = kHidden;
-      vmax[g] = at::vec::maximum(vmax[g], Vec::loadu(sg));
-    }
+    finish_block<G>(parts, s, padded, c0, n, shown, mr, Vec(1.f), vmax);  // qf holds the scale
   }
   for (int g = 0; g < G; ++g)
     mx[g] = at::vec::vec_reduce_all([](Vec a, Vec b) { return at::vec::maximum(a, b); }, vmax[g]);
@@ -128,18 +151,8 @@ __attribute__((target("avx512bf16"))) void scores_bf16_dot(
   for (int g = 0; g < G; ++g) vmax[g] = Vec(kHidden);
   for (int64_t c0 = 0; c0 < p.columns; c0 += kLanes) {
     const int n = static_cast<int>(std::min<int64_t>(kLanes, p.columns - c0));
-    int shown = n;
-    if (mr) {
-      shown = 0;
-      for (int i = 0; i < n; ++i) shown += mr[c0 + i];
-    }
-    if (shown == 0) {
-      for (int g = 0; g < G; ++g) Vec(kHidden).store(s + g * padded + c0);
-      continue;
-    }
-    for (int i = 0; i < kLanes; ++i)
-      prefetch_row<at::BFloat16, D>(
-          kp + std::min<int64_t>(c0 + 2 * kLanes + i, p.columns - 1) * p.k_col);
+    const int shown = shown_in(mr, c0, n);
+    if (!begin_block<at::BFloat16, D, G>(p, kp, c0, shown, s, padded)) continue;
     for (int i = 0; i < n; i += kKeys) {
       __m512 acc[kKeys * G];
       const at::BFloat16* key[kKeys];
@@ -157,16 +170,7 @@ __attribute__((target("avx512bf16"))) void scores_bf16_dot(
         for (int g = 0; g < G; ++g)
           _mm512_storeu_ps(parts + (g * kLanes + i + b) * kLanes, acc[b * G + g]);
     }
-    for (int g = 0; g < G; ++g) {
-      float* sg = s + g * padded + c0;
-      Vecs<kLanes> dots;
-      for (int i = 0; i < kLanes; ++i) dots[i] = Vec::loadu(parts + (g * kLanes + i) * kLanes);
-      (sum_lanes(dots) * scale).store(sg);
-      if (shown < kLanes)
-        for (int i = 0; i < kLanes; ++i)
-          if (i >= n || (mr && !mr[c0 + i])) sg[i] = kHidden;
-      vmax[g] = at::vec::maximum(vmax[g], Vec::loadu(sg));
-    }
+    finish_block<G>(parts, s, padded, c0, n, shown, mr, scale, vmax);
   }
   for (int g = 0; g < G; ++g)
     mx[g] = at::vec::vec_reduce_all([](Vec a, Vec b) { return at::vec::maximum(a, b); }, vmax[g]);
