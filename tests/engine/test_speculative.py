@@ -272,7 +272,10 @@ def test_sampled_output_keeps_the_models_distribution_with_drafts(sixteen_tokens
     if drafts == "draft model":
         assert eng.speculator.draft_model is not None
     assert 0 < stats.spec_accepted_tokens < stats.spec_proposed_tokens  # kept and refused
-    assert chi_square_p(counts, joint.flatten()) > 1e-3
+    # 1e-4, not 1e-3: a fresh clone's CI once drew p = 3.4e-4 (the draft-model case) where
+    # runs here pass; at 1e-3 a correct engine fails about once in a thousand runs per case,
+    # and the biased control above lands below 1e-6.
+    assert chi_square_p(counts, joint.flatten()) > 1e-4
 
 
 def test_seeded_and_penalised_sampled_rows_do_not_draft(smollm2, make_engine):
