@@ -251,22 +251,22 @@ void attend(const Problem& p, int64_t task, int64_t padded, float* scratch) {
   const T* vp = static_cast<const T*>(p.v) + r * p.v_row + h * p.v_head;
   const bool* mr = p.mask ? p.mask + r * p.mask_row : nullptr;
   T* out = static_cast<T*>(p.out) + (r * p.kv_heads + h) * G * D;
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < D; j += kLanes)
-      (load(q + g * p.q_head + j) * Vec(p.scale)).store(qf + g * D + j);
   float mx[G], inv[G];
+  bool dotted = false;
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, at::BFloat16> && D % 32 == 0) {
-    if (kBf16Dot)
+    if (kBf16Dot) {
       scores_bf16_dot<D, G>(p, kp, mr, q, s, parts, padded, mx);
-    else
-      scores<T, D, G>(p, kp, mr, qf, s, parts, padded, mx);
-  } else {
+      dotted = true;
+    }
+  }
+#endif
+  if (!dotted) {  // the query scaled into fp32, then dotted with each key widened to fp32
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < D; j += kLanes)
+        (load(q + g * p.q_head + j) * Vec(p.scale)).store(qf + g * D + j);
     scores<T, D, G>(p, kp, mr, qf, s, parts, padded, mx);
   }
-#else
-  scores<T, D, G>(p, kp, mr, qf, s, parts, padded, mx);
-#endif
   softmax<G>(s, padded, mx, inv);
   if constexpr (std::is_same_v<T, float>) {
     weighted_values<T, D, G>(p, vp, mr, s, padded, inv, out);
