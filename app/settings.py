@@ -295,6 +295,11 @@ OPTIONS: tuple[Option, ...] = (
            "fp32 CPU models: auto (seqgate's 4/8-bit block kernels for forwards of few rows, "
            "where the weights are exact blocks, as the embedded model's are, or quantize rounds "
            "them) | torch (PyTorch's fp32 products)"),
+    Option("enforce_eager", "engine", _bool, ("option.enforce_eager",), "--enforce-eager",
+           "on CUDA, run every forward eagerly: no CUDA graphs"),
+    Option("max_cudagraph_capture_size", "engine", _int(1),
+           ("option.max_cudagraph_capture_size",), "--max-cudagraph-capture-size",
+           "on CUDA, steps of up to this many tokens replay CUDA graphs (default 512)"),
     Option("num_threads", "engine", _int(), ("option.num_threads",), "--num-threads",
            "torch intra-op threads for the engine (0: chosen from the cores available)"),
     Option("max_model_len", "engine", _int(), ("option.max_model_len",), "--max-model-len"),

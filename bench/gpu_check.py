@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import math
@@ -339,6 +340,7 @@ def section_parity(c: Check) -> dict:
             eng.step()  # later jobs join a running batch
     stats = eng.run_until_idle()
     cached = eng.stats().cached_tokens
+    graphs = _graph_stats(eng)
     release(eng)
     totals: Counter = Counter()
     equal_generate, worst = 0, 0.0
@@ -351,7 +353,8 @@ def section_parity(c: Check) -> dict:
         totals.update(rep)
         equal_generate += tokens == reference_generate(loaded.model, ids, len(tokens))
     return {"jobs": len(prompts), "max_sub_batches": max(s.sub_batches for s in stats),
-            "cached_prompt_tokens": cached, "equal_to_generate": equal_generate, **totals,
+            "cached_prompt_tokens": cached, "cuda_graphs": graphs,
+            "equal_to_generate": equal_generate, **totals,
             "worst_gap": worst, "margin": MARGIN, "ok": totals["violations"] == 0}
 
 
@@ -661,6 +664,69 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=64)
 
 
+def _graph_stats(eng) -> dict | None:
+    """The engine's piecewise CUDA graphs: buckets captured, forwards through them, packed
+    forwards they did not take; None where it runs without them."""
+    graphs = eng.runner.graphs
+    return None if graphs is None else dataclasses.asdict(graphs.stats)
+
+
+def section_cuda_graphs(c: Check) -> dict:
+    """The engine with its piecewise CUDA graphs and without (`enforce_eager`), alternating, bf16:
+    128 prompts x 128 tokens at 1 row (8 prompts), 32 and 128 rows, SmolLM2-shaped, and at 32
+    rows Llama-3.2-1B-shaped: tokens/s, decode-step p50, and what the graphs ran."""
+    if not c.on_cuda:
+        return {"skipped": "CUDA only"}
+    loaded = c.loaded("bf16")
+    prompts = c.prompts(128, loaded.tokenizer)
+    plans = [("smollm2", loaded, 1, 8, ("graphs", "eager")),
+             ("smollm2", loaded, 32, 128, ("eager", "graphs")),
+             ("smollm2", loaded, 128, 128, ("graphs", "eager")),
+             ("llama_1b", None, 32, 128, ("eager", "graphs"))]
+    out: dict = {}
+    for model, which, rows, count, order in plans:
+        if which is None:
+            if c.left() < 60:
+                out[f"{model}_rows_{rows}"] = {"skipped": "out of time"}
+                continue
+            which = _llama_1b(c, loaded)
+        row = out.setdefault(f"{model}_rows_{rows}", {})
+        for mode in order:
+            if c.left() < 20:
+                row[mode] = {"skipped": "out of time"}
+                continue
+            from engine import Engine, EngineConfig
+
+            eng = Engine(EngineConfig(device=str(c.device), max_rolling_batch_size=rows,
+                                      prompt_cache_bytes=0, enforce_eager=mode == "eager"),
+                         loaded=which)
+            eng.start(background=False)
+            timed, _ = serve_timed(c, eng, prompts, count, 128)
+            row[mode] = {**timed, "graphs": _graph_stats(eng),
+                         "peak_memory_mib": round(torch.cuda.max_memory_allocated() / 2**20)}
+            release(eng)
+        if all("tokens_per_s" in row.get(m, {}) for m in order):
+            row["speed_up"] = round(row["graphs"]["tokens_per_s"] / row["eager"]["tokens_per_s"],
+                                    2)
+    return out
+
+
+def _llama_1b(c: Check, small):
+    """A Llama-3.2-1B-shaped model: random bf16 weights made on the device, SmolLM2's
+    vocabulary and tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine import LoadedModel
+
+    config = AutoConfig.from_pretrained(c.model_dir)
+    config.update(LLAMA_1B)
+    torch.manual_seed(SEED)
+    with torch.device(c.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    return LoadedModel(model, small.tokenizer, "llama-1b-shaped", "random", c.device,
+                       torch.bfloat16, 0.0, False)
+
+
 def section_throughput_1b(c: Check) -> dict:
     """A Llama-3.2-1B-shaped model (random bf16 weights made on the device, SmolLM2's vocabulary):
     128 prompts x 128 tokens at 32 and 128 rows, where the GPU does more than launch kernels."""
@@ -668,18 +734,11 @@ def section_throughput_1b(c: Check) -> dict:
         return {"skipped": "on CUDA without --quick only"}
     if c.left() < 90:
         return {"skipped": "out of time"}
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from engine import Engine, EngineConfig, LoadedModel
+    from engine import Engine, EngineConfig
 
     small = c.loaded("bf16")
-    config = AutoConfig.from_pretrained(c.model_dir)
-    config.update(LLAMA_1B)
-    torch.manual_seed(SEED)
-    with torch.device(c.device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    loaded = LoadedModel(model, small.tokenizer, "llama-1b-shaped", "random", c.device,
-                         torch.bfloat16, 0.0, False)
+    loaded = _llama_1b(c, small)
+    model = loaded.model
     prompts = c.prompts(128, small.tokenizer)
     out = {"parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6)}
     for rows in (32, 128):
@@ -1016,7 +1075,8 @@ SECTIONS: list[tuple[str, Callable[[Check], dict]]] = [
     ("env", section_env), ("model", section_model), ("parity", section_parity),
     ("half_precision", section_half), ("features", section_features), ("syncs", section_syncs),
     ("profile", section_profile), ("overhead", section_overhead),
-    ("throughput", section_throughput), ("http", section_http),
+    ("throughput", section_throughput), ("cuda_graphs", section_cuda_graphs),
+    ("http", section_http),
     ("memory", section_memory), ("tests", section_tests), ("speculative", section_speculative),
     ("splitting", section_splitting), ("graphs", section_graphs),
     ("throughput_1b", section_throughput_1b),

@@ -110,6 +110,11 @@ class EngineConfig:
     # 4/8-bit block kernels (engine/model/lowbit.py) where the weights are exact blocks (in
     # bf16: blocks rounded to bf16) or `quantize` rounds them; torch keeps PyTorch's products.
     linear_kernel: str = "auto"
+    # On CUDA, packed forwards of up to `max_cudagraph_capture_size` tokens replay the work
+    # between attentions as CUDA graphs (engine/model/cuda_graphs.py); enforce_eager turns them
+    # off (vLLM's and DJL LMI's names).
+    enforce_eager: bool = False
+    max_cudagraph_capture_size: int = 512
     # torch intra-op threads; 0 picks a default from the cores available.
     num_threads: int = 0
     # Context length limit; 0 means the model's max_position_embeddings.
@@ -166,6 +171,9 @@ class EngineConfig:
         if self.chunk_attention_tokens < 0:
             raise ConfigError("chunk_attention_tokens", self.chunk_attention_tokens,
                               ">= 0 (0 = derived from the model)")
+        if self.max_cudagraph_capture_size < 1:
+            raise ConfigError("max_cudagraph_capture_size", self.max_cudagraph_capture_size,
+                              ">= 1 (enforce_eager turns graphs off)")
         if self.num_threads < 0:
             raise ConfigError("num_threads", self.num_threads, ">= 0 (0 = auto)")
         if self.tensor_parallel_degree < 1:

@@ -247,9 +247,11 @@ def lean_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_
     return native.attention_output(layer, out, hidden_states)
 
 
-def _attention_inputs(layer: torch.nn.Module, hidden_states: torch.Tensor,
-                      position_embeddings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The layer's query, key and value: its input norm, projections and rotary embedding."""
+def _attention_inputs(layer: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings,
+                      tables: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer's query, key and value: its input norm, projections and rotary embedding.
+    `tables`: `_rotary_tables` of the position embeddings, where the caller keeps them."""
     attn, stacked = layer.self_attn, vars(layer)["_lean_stacked"]
     x = _rms_norm(layer.input_layernorm, hidden_states)
     input_shape = x.shape[:-1]
@@ -264,7 +266,7 @@ def _attention_inputs(layer: torch.nn.Module, hidden_states: torch.Tensor,
                 (key * cos) + (_rotate_half(key) * sin), value)
     heads = stacked.q_heads + stacked.kv_heads
     qkv = _linear(stacked.qkv, x).view(*input_shape, -1, attn.head_dim).transpose(1, 2)
-    turned = _rotate(qkv[:, :heads], *_rotary_tables(position_embeddings))
+    turned = _rotate(qkv[:, :heads], *(tables or _rotary_tables(position_embeddings)))
     return turned[:, :stacked.q_heads], turned[:, stacked.q_heads:], qkv[:, heads:]
 
 

@@ -14,7 +14,7 @@ from engine.kv.batch import SubBatch
 from engine.kv.radix_cache import PrefixEntry
 from engine.kv.rolling_batch import RollingBatch
 from engine.kv.slabs import SlabCache, SlabLayer, new_slabs, row_from_cache
-from engine.model import packed_forward
+from engine.model import cuda_graphs, packed_forward
 from engine.model.decode_inputs import DecodeFeed
 from engine.sched.plan import PrefillChunk, StepPlan
 from engine.staging import to_device
@@ -82,6 +82,17 @@ class ModelRunner:
         self._kv_shape = (kv_heads, self._head_dim) if kv_heads and self._head_dim else None
         self._no_mask = packed_forward.NO_MASK.to(device)
         self._cache_keyword = cache_keyword(model)
+        # Piecewise CUDA graphs for packed forwards (`use_graphs`); None: every forward eager.
+        self.graphs: cuda_graphs.LayerGraphs | None = None
+
+    def use_graphs(self, max_tokens: int, capture: bool = True) -> bool:
+        """Run packed forwards of up to `max_tokens` tokens through piecewise graphs
+        (engine.model.cuda_graphs) where the model's layers allow; `capture` False runs the
+        same pieces eagerly (the CPU tests). Returns whether they will run."""
+        if not cuda_graphs.supported(self.model):
+            return False
+        self.graphs = cuda_graphs.LayerGraphs(self.model, max_tokens, capture)
+        return True
 
     def attention_tokens(self) -> int:
         """Context tokens whose attention costs about as much as one token's linear layers.
@@ -224,16 +235,29 @@ class ModelRunner:
                 keep.append(offset + n - 1)
             offset += n
         hidden_wanted = any(want_hidden) or any(ch.hidden for ch in chunks)
-        out = self._forward(
-            input_ids=torch.cat(ids)[None],
-            position_ids=torch.cat(positions)[None],
-            attention_mask=self._no_mask,
-            cache=packed_forward.PackedCache(groups, self.n_layers),
-            output_hidden_states=hidden_wanted,
-            logits_to_keep=to_device(keep, self.device),
-        )
-        logits = out.logits[0].float()  # [kept positions, vocab]
-        hidden = out.hidden_states[-1][0] if hidden_wanted else None  # [tokens, hidden]
+        cache = packed_forward.PackedCache(groups, self.n_layers)
+        kept = to_device(keep, self.device)
+        logits = None
+        if self.graphs is not None and self.graphs.bucket(offset) is not None:
+            try:
+                logits, hidden = self.graphs.forward(torch.cat(ids), torch.cat(positions), cache,
+                                                     self._no_mask, kept, hidden_wanted)
+            except cuda_graphs.GraphsOff:
+                pass
+        elif self.graphs is not None:
+            self.graphs.stats.eager += 1
+        if logits is None:
+            out = self._forward(
+                input_ids=torch.cat(ids)[None],
+                position_ids=torch.cat(positions)[None],
+                attention_mask=self._no_mask,
+                cache=cache,
+                output_hidden_states=hidden_wanted,
+                logits_to_keep=kept,
+            )
+            logits = out.logits[0]
+            hidden = out.hidden_states[-1][0] if hidden_wanted else None  # [tokens, hidden]
+        logits = logits.float()  # [kept positions, vocab]
         results: list[GroupResult] = []
         row = 0
         for sb, feed, g, want in zip(sub_batches, feeds, groups, want_hidden):
