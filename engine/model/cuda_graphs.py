@@ -44,6 +44,7 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448
 @dataclass
 class GraphStats:
     captured: int = 0  # buckets captured
+    failed: int = 0  # buckets whose capture failed (they run eagerly since)
     forwards: int = 0  # forwards that ran through the pieces (replayed where captured)
     eager: int = 0  # packed forwards they did not take (more tokens than the largest bucket)
 
@@ -95,13 +96,13 @@ class LayerGraphs:
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._pieces: dict[int, list[Callable[[], None]]] = {}
         self.stats = GraphStats()
-        self.broken = False  # a capture failed: every forward runs the model's own
+        self._failed: set[int] = set()  # buckets whose capture failed
 
     def bucket(self, tokens: int) -> int | None:
-        """The bucket a step of `tokens` tokens pads to; None: more than the largest."""
-        if self.broken:
-            return None
-        return next((b for b in self.sizes if b >= tokens), None)
+        """The bucket a step of `tokens` tokens pads to; None: more than the largest, or its
+        capture failed."""
+        b = next((b for b in self.sizes if b >= tokens), None)
+        return None if b in self._failed else b
 
     # -- the pieces ----------------------------------------------------------------------------
     def _inputs(self, i: int, b: int) -> None:
@@ -177,20 +178,22 @@ class LayerGraphs:
         try:
             pieces = self._pieces_for(b)
         except Exception:
-            # One failed capture (an operation a graph cannot hold, or memory) turns graphs off
-            # for good rather than failing steps; the caller runs the model's own forward.
-            log.exception("CUDA graph capture failed: running without graphs")
-            self.broken = True
+            # A failed capture (out of memory, or an operation a graph cannot hold) leaves its
+            # bucket eager rather than failing steps; the caller runs the model's own forward.
+            log.exception("CUDA graph capture of %d tokens failed: that size runs eagerly", b)
+            self._failed.add(b)
+            self.stats.failed += 1
             raise GraphsOff from None
+        # Read once per forward: a config attribute costs a slow __getattribute__ per read.
+        attention = llama_layers.ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.model.config._attn_implementation, None)
         pieces[0]()
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             key, value = cache.layers[i].update(self.k[:, :, :n], self.v[:, :, :n])
-            attention = llama_layers.ALL_ATTENTION_FUNCTIONS.get_interface(
-                attn.config._attn_implementation, None)
             out, _ = attention(attn, self.q[:, :, :n], key, value, mask, dropout=0.0,
                                scaling=attn.scaling)
-            self.out[:, :n].copy_(out.reshape(1, n, -1))
+            self.out[:, :n].view(out.shape).copy_(out)  # [1, n, heads, dim], maybe strided
             pieces[i + 1]()
         self.stats.forwards += 1
         normed = self.normed[0, :n]
@@ -199,4 +202,5 @@ class LayerGraphs:
 
 
 class GraphsOff(Exception):
-    """The graphs cannot take this forward (a capture failed): run the model's own."""
+    """The graphs cannot take this forward (its bucket's capture failed): run the model's own.
+    Raised before any layer has run, so nothing is half-written."""

@@ -137,7 +137,7 @@ def install(model: torch.nn.Module) -> bool:
         for g, k, v in zip(key.groups, key.keys, key.values):
             out, _ = inner(module, g.split(query), k, v, g.mask, **kwargs)
             outs.append(g.join(out))
-        return torch.cat(outs, dim=1), None
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
     setattr(model, _INNER_ATTR, inner)
     AttentionInterface.register(FUSED_ATTENTION, attention)

@@ -200,6 +200,21 @@ class ModelRunner:
         return GroupResult(feed.packed(out.logits).float(), hidden, feed.first, feed.first_host,
                            feed.drafts)
 
+    def _bias(self, mask: torch.Tensor) -> torch.Tensor:
+        """A group's mask as every layer's attention takes it. On CUDA: an additive bias of the
+        model's dtype whose rows start at multiples of 8 elements, made once per step. Given a
+        bool mask or an unaligned one, PyTorch's memory-efficient attention converts it (-inf
+        where it does not attend, as here) and copies it to aligned rows in every layer's call:
+        two more kernel launches each, and launches are what a GPU step waits on."""
+        if self.device.type != "cuda":
+            return mask
+        width = mask.shape[-1]
+        bias = torch.empty((*mask.shape[:-1], -(-width // 8) * 8), dtype=self.dtype,
+                           device=self.device)[..., :width]
+        if mask.dtype == torch.bool:
+            return bias.zero_().masked_fill_(~mask, float("-inf"))
+        return bias.copy_(mask)
+
     def packed(
         self, sub_batches: list[SubBatch], chunks: list[Chunk], want_hidden: list[bool]
     ) -> list[GroupResult]:
@@ -212,9 +227,9 @@ class ModelRunner:
         for sb, feed in zip(sub_batches, feeds):
             sb.reserve(sb.width + feed.slots)
             if feed.slots == 1:
-                mask = feed.one_token_mask()[:, None, None, :]
+                mask = self._bias(feed.one_token_mask()[:, None, None, :])
             else:
-                mask = feed.mask(self.dtype)
+                mask = self._bias(feed.mask(self.dtype))
             groups.append(packed_forward.Group(sb.cache, offset, feed.tokens, sb.size, mask, feed))
             ids.append(feed.ids)
             positions.append(feed.positions)
@@ -227,7 +242,8 @@ class ModelRunner:
             hidden_future = torch.arange(stop, device=self.device)[None, :] > pos[:, None]
             mask = torch.zeros(hidden_future.shape, dtype=self.dtype, device=self.device)
             mask.masked_fill_(hidden_future, torch.finfo(self.dtype).min)
-            groups.append(packed_forward.Group(ch.cache, offset, n, 1, mask[None, None]))
+            groups.append(packed_forward.Group(ch.cache, offset, n, 1,
+                                               self._bias(mask[None, None])))
             ids.append(to_device(ch.ids, self.device))
             positions.append(pos)
             keep.extend(range(offset, offset + len(ch.targets or ())))

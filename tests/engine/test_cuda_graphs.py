@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
-from engine.model import cuda_graphs
 from tests.engine.helpers import collect, reference_greedy, varied_prompts
 
 
@@ -71,11 +70,48 @@ def test_hidden_states_and_logprobs_through_the_pieces_equal_the_model_forward(
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
-def test_buckets_cover_the_limit():
-    """Bucket sizes rise to the first one at or above the limit."""
-    assert cuda_graphs.BUCKETS[0] == 1
+def test_a_failed_capture_leaves_its_bucket_eager(smollm2, make_engine, monkeypatch):
+    """A capture that fails (injected: out of memory cannot be produced on demand on the CPU)
+    sends that bucket's steps to the model's own forward; the other buckets keep the pieces and
+    every output still equals `generate`'s."""
+    prompts = varied_prompts(smollm2.tokenizer, 4)
+    eng = _engine(make_engine, smollm2, 64, max_rolling_batch_size=4,
+                  num_speculative_tokens=0)
+    graphs = eng.runner.graphs
+    graphs.capture = True  # the pieces go through `_captured`, which fails for one size
+
+    tries = []
+
+    def captured(pieces):
+        tries.append(len(tries))
+        if len(tries) == 1:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return pieces
+
+    monkeypatch.setattr(graphs, "_captured", captured)
+    n = 12
+    outs = _run(eng, prompts, lambda i: SamplingParams(strategy="greedy", max_new_tokens=n,
+                                                       min_new_tokens=n))
+    assert graphs.stats.failed == 1 and len(graphs._failed) == 1
+    assert graphs.stats.forwards > 0 and graphs.stats.eager > 0
+    for ids, out in zip(prompts, outs):
+        assert out[0]["tokens"] == reference_greedy(smollm2.model, ids, n, n)
+
+
+def test_buckets_cover_the_limit(tiny_model, make_engine):
+    """A step pads to the smallest bucket that holds its tokens; the largest bucket is the first
+    at or above the limit, and a step beyond it has none (it runs eagerly)."""
+    eng = make_engine(tiny_model, linear_kernel="torch")
     for limit in (1, 24, 25, 512, 700):
-        g = cuda_graphs.LayerGraphs.__new__(cuda_graphs.LayerGraphs)
-        sizes = [b for b in cuda_graphs.BUCKETS if b < limit] + [
-            next(b for b in cuda_graphs.BUCKETS if b >= limit)]
-        assert sizes[-1] >= limit and all(b < limit for b in sizes[:-1]) and g is not None
+        assert eng.runner.use_graphs(limit, capture=False)
+        graphs = eng.runner.graphs
+        assert graphs.sizes[0] == 1 and graphs.sizes[-1] >= limit
+        assert all(b < limit for b in graphs.sizes[:-1])
+        assert graphs.bucket(1) == 1 and graphs.bucket(graphs.sizes[-1] + 1) is None
+        for n in (3, 17, limit):
+            b = graphs.bucket(n)
+            if n > graphs.sizes[-1]:
+                assert b is None
+                continue
+            assert b in graphs.sizes and b >= n
+            assert all(s < n for s in graphs.sizes if s < b)
