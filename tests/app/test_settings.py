@@ -213,3 +213,23 @@ def test_kv_budget_flags_are_on_the_command_line():
     args = parser.parse_args(["--kv-cache-bytes", "4096", "--gpu-memory-utilization", "0.7"])
     e = load_settings(args, env={}).engine
     assert (e.kv_cache_bytes, e.gpu_memory_utilization) == (4096, 0.7)
+
+
+def test_cuda_graph_options_from_each_source(props):
+    """enforce_eager and max_cudagraph_capture_size (vLLM's and DJL LMI's names) as
+    serving.properties, SEQGATE_* and flags name them; a size below 1 is refused by name."""
+    default = load_settings(env={}).engine
+    assert (default.enforce_eager, default.max_cudagraph_capture_size) == (False, 512)
+    e = load_settings(config_file=props("option.enforce_eager=true\n"
+                                        "option.max_cudagraph_capture_size=256\n"), env={}).engine
+    assert (e.enforce_eager, e.max_cudagraph_capture_size) == (True, 256)
+    e = load_settings(env={"SEQGATE_ENFORCE_EAGER": "1",
+                           "SEQGATE_MAX_CUDAGRAPH_CAPTURE_SIZE": "64"}).engine
+    assert (e.enforce_eager, e.max_cudagraph_capture_size) == (True, 64)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    e = load_settings(parser.parse_args(["--enforce-eager", "--max-cudagraph-capture-size", "32"]),
+                      env={}).engine
+    assert (e.enforce_eager, e.max_cudagraph_capture_size) == (True, 32)
+    with pytest.raises(SettingsError, match=r"^option.max_cudagraph_capture_size .*0"):
+        load_settings(config_file=props("option.max_cudagraph_capture_size=0\n"), env={})
