@@ -299,7 +299,8 @@ OPTIONS: tuple[Option, ...] = (
            "on CUDA, run every forward eagerly: no CUDA graphs"),
     Option("max_cudagraph_capture_size", "engine", _int(1),
            ("option.max_cudagraph_capture_size",), "--max-cudagraph-capture-size",
-           "on CUDA, steps of up to this many tokens replay CUDA graphs (default 512)"),
+           "on CUDA, steps of up to this many tokens (rounded up to a bucket) replay CUDA "
+           "graphs (default 512)"),
     Option("num_threads", "engine", _int(), ("option.num_threads",), "--num-threads",
            "torch intra-op threads for the engine (0: chosen from the cores available)"),
     Option("max_model_len", "engine", _int(), ("option.max_model_len",), "--max-model-len"),

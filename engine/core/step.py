@@ -70,7 +70,8 @@ class EngineCore:
         self.kv_budget = kv_budget(config, loaded, self.runner.dtype, ranks, lambda: warm_up(
             self.runner, longest, self.eos_ids[0] if self.eos_ids else 0, loaded.device))
         self.config = config = resolved(config, self.kv_budget, loaded.device)
-        # After the KV budget's warm-up: what graphs hold is not the KV's to count on.
+        # Set up after the KV budget's warm-up: graph memory is taken beside the budget, when
+        # a bucket is first captured (engine/model/cuda_graphs.py).
         self.cuda_graphs = (loaded.device.type == "cuda" and not config.enforce_eager
                             and self.packed_forward and not self._lockstep
                             and self.runner.use_graphs(config.max_cudagraph_capture_size))
@@ -175,9 +176,10 @@ class EngineCore:
         failure there fails every group: caches may be half-written), else one per group (a
         failure fails that group alone). One result, or exception, per sub-batch then chunk."""
         hidden = [any(s.job.strategy == "contrastive" for s in sb.seqs) for sb in sbs]
-        # One group alone runs packed too where graphs take the packed forward.
+        # One group alone runs packed too where the graphs would take it.
         groups = len(sbs) + len(chunks)
-        if self.packed_forward and (groups > 1 or (groups and self.runner.graphs is not None)):
+        alone = groups == 1 and self.runner.graphs_take(sbs, chunks)
+        if self.packed_forward and (groups > 1 or alone):
             try:
                 return self.runner.packed(sbs, chunks, hidden)
             except Exception as exc:

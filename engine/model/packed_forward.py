@@ -146,6 +146,14 @@ def install(model: torch.nn.Module) -> bool:
     return model.config._attn_implementation == FUSED_ATTENTION
 
 
+def plain_attention(model: torch.nn.Module) -> bool:
+    """Whether `install` put the packed dispatcher over transformers' SDPA or eager attention,
+    which read nothing from a forward's keyword arguments beyond the mask and scaling (the
+    flash implementations also read position ids)."""
+    inner = getattr(model, _INNER_ATTR, None)
+    return inner is not None and (inner is _sdpa or inner.__name__ == "eager_attention_forward")
+
+
 def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' SDPA attention, with one query per row run on the key-value heads.
 

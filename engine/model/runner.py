@@ -200,20 +200,36 @@ class ModelRunner:
         return GroupResult(feed.packed(out.logits).float(), hidden, feed.first, feed.first_host,
                            feed.drafts)
 
+    def _mask_buffer(self, shape: torch.Size) -> torch.Tensor:
+        """An uninitialised additive mask of the model's dtype. On CUDA its rows start at
+        multiples of 8 elements: PyTorch's memory-efficient attention copies a mask whose rows do
+        not into aligned ones in every layer's call, and launches are what a GPU step waits on."""
+        if self.device.type != "cuda":
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+        width = shape[-1]
+        return torch.empty((*shape[:-1], -(-width // 8) * 8), dtype=self.dtype,
+                           device=self.device)[..., :width]
+
     def _bias(self, mask: torch.Tensor) -> torch.Tensor:
-        """A group's mask as every layer's attention takes it. On CUDA: an additive bias of the
-        model's dtype whose rows start at multiples of 8 elements, made once per step. Given a
-        bool mask or an unaligned one, PyTorch's memory-efficient attention converts it (-inf
-        where it does not attend, as here) and copies it to aligned rows in every layer's call:
-        two more kernel launches each, and launches are what a GPU step waits on."""
+        """A decode group's mask as every layer's attention takes it. On CUDA: additive and
+        aligned (`_mask_buffer`), made once per step, where PyTorch would convert a bool mask
+        (-inf where a row does not attend, as here) in every layer's call."""
         if self.device.type != "cuda":
             return mask
-        width = mask.shape[-1]
-        bias = torch.empty((*mask.shape[:-1], -(-width // 8) * 8), dtype=self.dtype,
-                           device=self.device)[..., :width]
+        bias = self._mask_buffer(mask.shape)
         if mask.dtype == torch.bool:
             return bias.zero_().masked_fill_(~mask, float("-inf"))
         return bias.copy_(mask)
+
+    def graphs_take(self, sub_batches: list[SubBatch], chunks: list[Chunk]) -> bool:
+        """Whether the graphs would take a packed forward of these groups: a bucket holds its
+        tokens (each row counted with everything it may feed) and its capture has not failed."""
+        if self.graphs is None:
+            return False
+        tokens = sum(len(ch.ids) for ch in chunks) + sum(
+            len(s.candidates.ids) if s.candidates is not None else 1 + len(s.draft)
+            for sb in sub_batches for s in sb.seqs)
+        return self.graphs.bucket(tokens) is not None
 
     def packed(
         self, sub_batches: list[SubBatch], chunks: list[Chunk], want_hidden: list[bool]
@@ -240,10 +256,9 @@ class ModelRunner:
             pos = torch.arange(ch.start, stop, device=self.device)
             # An additive mask: the CPU attention kernel runs faster with it than with a bool one.
             hidden_future = torch.arange(stop, device=self.device)[None, :] > pos[:, None]
-            mask = torch.zeros(hidden_future.shape, dtype=self.dtype, device=self.device)
+            mask = self._mask_buffer(hidden_future.shape).zero_()
             mask.masked_fill_(hidden_future, torch.finfo(self.dtype).min)
-            groups.append(packed_forward.Group(ch.cache, offset, n, 1,
-                                               self._bias(mask[None, None])))
+            groups.append(packed_forward.Group(ch.cache, offset, n, 1, mask[None, None]))
             ids.append(to_device(ch.ids, self.device))
             positions.append(pos)
             keep.extend(range(offset, offset + len(ch.targets or ())))
@@ -259,7 +274,7 @@ class ModelRunner:
                 logits, hidden = self.graphs.forward(torch.cat(ids), torch.cat(positions), cache,
                                                      self._no_mask, kept, hidden_wanted)
             except cuda_graphs.GraphsOff:
-                pass
+                self.graphs.stats.eager += 1
         elif self.graphs is not None:
             self.graphs.stats.eager += 1
         if logits is None:
