@@ -90,6 +90,8 @@ def test_rolling_batch_with_splitting_and_cache_keeps_greedy(cuda_fp32, make_eng
     eng = make_engine(cuda_fp32, max_rolling_batch_size=16, max_sparsity=0.05, max_splits=3,
                       fuse_sub_batches=fuse, max_num_batched_tokens=37)
     assert eng.packed_forward == fuse
+    # The packed forward replays CUDA graphs between attentions; one forward per group has none.
+    assert eng.cuda_graphs == fuse and (eng.runner.graphs is not None) == fuse
     jobs = varied_prompts(tok, 8)
     first = eng.submit(_chat(tok, "Where is my parcel?"), _greedy(8))
     eng.run_until_idle()  # the system prompt is cached now
@@ -105,11 +107,18 @@ def test_rolling_batch_with_splitting_and_cache_keeps_greedy(cuda_fp32, make_eng
     assert collect(first)[0]["tokens"]
     assert max(s.sub_batches for s in stats) > 1, "splitting never happened"
     assert eng.stats().cached_tokens > 0, "the prompt cache was never hit"
+    if fuse:
+        assert eng.runner.graphs.stats.captured > 0 and eng.runner.graphs.stats.forwards > 0
     for h, ids, n in zip(handles, jobs, budgets):
         tokens = collect(h)[0]["tokens"]
         assert len(tokens) == n
         report = margin_report(cuda_fp32.model, ids, tokens)
         assert report["violations"] == 0, f"a token beyond the {MARGIN} margin: {report}"
+
+
+def test_enforce_eager_turns_graphs_off(cuda_fp32, make_engine):
+    eng = make_engine(cuda_fp32, enforce_eager=True)
+    assert not eng.cuda_graphs and eng.runner.graphs is None
 
 
 def test_quantize_is_ignored_on_cuda():
