@@ -139,6 +139,7 @@ class EngineCore:
         path); then tokens are chosen, finished prompts start decoding, the prefix cache takes
         what ended, and the changes are published."""
         t0, made = time.perf_counter(), self.decoder.generated_tokens
+        captures = self.runner.graph_captures()
         plan = self.scheduler.schedule()
         changed: dict[str, Job] = {job.job_id: job for job in plan.aborted}
         self.speculator.draft(self.scheduler.running)
@@ -163,8 +164,12 @@ class EngineCore:
                 self._survive_out_of_memory(plan, results[failed[0]], [], changed)
         self._publish(changed)
         seconds = time.perf_counter() - t0
-        self.scheduler.update_from_step(plan, seconds)
-        if plan.decode_rows and plan.groups is None and not (plan.chunks or plan.out_of_memory):
+        # A step that captured CUDA graphs paid a one-off cost that its rows and prompt units do
+        # not explain: nothing learns from its time.
+        typical = self.runner.graph_captures() == captures
+        self.scheduler.update_from_step(plan, seconds, learn=typical)
+        if typical and plan.decode_rows and plan.groups is None and not (plan.chunks
+                                                                          or plan.out_of_memory):
             last = self.decode_step_seconds
             self.decode_step_seconds = 0.9 * last + 0.1 * seconds if last else seconds
             self.speculator.step_done(plan.decode_rows, self.decoder.generated_tokens - made,

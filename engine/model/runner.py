@@ -221,6 +221,10 @@ class ModelRunner:
             return bias.zero_().masked_fill_(~mask, float("-inf"))
         return bias.copy_(mask)
 
+    def graph_captures(self) -> int:
+        """How many CUDA graph buckets have been captured (0 without graphs)."""
+        return 0 if self.graphs is None else self.graphs.stats.captured
+
     def graphs_take(self, sub_batches: list[SubBatch], chunks: list[Chunk]) -> bool:
         """Whether the graphs would take a packed forward of these groups: a bucket holds its
         tokens (each row counted with everything it may feed) and its capture has not failed."""

@@ -224,14 +224,15 @@ class Scheduler:
         self.running, self.prefilling, self.layout = [], [], []
         return list(jobs.values())
 
-    def update_from_step(self, plan: StepPlan, seconds: float) -> None:
+    def update_from_step(self, plan: StepPlan, seconds: float, learn: bool = True) -> None:
         """Learn from a finished step: its cost, for the stall bound (steps that laid the batch
         out anew carry a cost of their own, copies of KV, that neither rows nor prompt units
-        explain, so they are not counted); and ease an out-of-memory cap. A step that ran out
-        of memory teaches nothing."""
+        explain, so they are not counted, nor are steps the caller says were not typical:
+        `learn` False); and ease an out-of-memory cap. A step that ran out of memory teaches
+        nothing."""
         if plan.out_of_memory:
             return
-        if self.cost is not None and plan.groups is None:
+        if self.cost is not None and plan.groups is None and learn:
             self.cost.observe(plan.decode_rows, plan.prefill_units, seconds)
         self.pressure.step_done()
 

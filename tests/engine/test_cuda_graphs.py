@@ -177,3 +177,29 @@ def test_buckets_cover_the_limit(tiny_model, make_engine):
                 continue
             assert b in graphs.sizes and b >= n
             assert all(s < n for s in graphs.sizes if s < b)
+
+
+def test_a_step_that_captures_teaches_no_costs(model, make_engine, monkeypatch):
+    """A step that captured a bucket paid a one-off cost: the scheduler's step costs and the
+    decode-step average learn nothing from it; the next plain step is learnt from again."""
+    prompts = varied_prompts(model.tokenizer, 2)
+    eng = _engine(make_engine, model, 64, max_rolling_batch_size=2, num_speculative_tokens=0)
+    graphs = eng.runner.graphs
+    graphs.capture = True
+    monkeypatch.setattr(graphs, "_captured", lambda pieces: pieces)  # counted, not captured
+    observed = []
+    real = eng.scheduler.cost.observe
+    monkeypatch.setattr(eng.scheduler.cost, "observe", lambda *a: (observed.append(a), real(*a)))
+    for ids in prompts:
+        eng.submit(ids, SamplingParams(strategy="greedy", max_new_tokens=20, min_new_tokens=20))
+    for _ in range(6):  # prompts done, both rows decoding in a settled layout
+        eng.step()
+    learnt, average = len(observed), eng.decode_step_seconds
+    assert learnt and average
+    graphs._pieces.clear()  # the next plain decode step captures its bucket again
+    captured = graphs.stats.captured
+    eng.step()
+    assert graphs.stats.captured == captured + 1
+    assert len(observed) == learnt and eng.decode_step_seconds == average
+    eng.step()
+    assert len(observed) == learnt + 1 and eng.decode_step_seconds != average
