@@ -231,8 +231,7 @@ class ModelRunner:
         if self.graphs is None:
             return False
         tokens = sum(len(ch.ids) for ch in chunks) + sum(
-            len(s.candidates.ids) if s.candidates is not None else 1 + len(s.draft)
-            for sb in sub_batches for s in sb.seqs)
+            s.feeds for sb in sub_batches for s in sb.seqs)
         return self.graphs.bucket(tokens) is not None
 
     def packed(
