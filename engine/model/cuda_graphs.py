@@ -208,6 +208,9 @@ class LayerGraphs:
         hidden states (after the final norm, as transformers gives them) of every token."""
         n = len(ids)
         b = self.bucket(n)
+        if b is None:
+            self.stats.eager += 1
+            raise GraphsOff
         self.ids[:n].copy_(ids)
         self.positions[:n].copy_(positions)
         try:
@@ -222,6 +225,7 @@ class LayerGraphs:
             self._failed[b] = self.stats.forwards + self.stats.eager + RETRY_AFTER \
                 if memory else None
             self.stats.failed += 1
+            self.stats.eager += 1
             raise GraphsOff from None
         # Read once per forward: a config attribute costs a slow __getattribute__ per read.
         attention = llama_layers.ALL_ATTENTION_FUNCTIONS.get_interface(
@@ -243,5 +247,5 @@ class LayerGraphs:
 
 
 class GraphsOff(Exception):
-    """The graphs cannot take this forward (its bucket's capture failed): run the model's own.
-    Raised before any layer has run, so nothing is half-written."""
+    """The graphs cannot take this forward (no bucket holds it, or its bucket's capture failed):
+    run the model's own. Raised before any layer has run, so nothing is half-written."""

@@ -271,19 +271,18 @@ class ModelRunner:
         hidden_wanted = any(want_hidden) or any(ch.hidden for ch in chunks)
         cache = packed_forward.PackedCache(groups, self.n_layers)
         kept = to_device(keep, self.device)
+        all_ids, all_positions = torch.cat(ids), torch.cat(positions)
         logits = None
-        if self.graphs is not None and self.graphs.bucket(offset) is not None:
+        if self.graphs is not None:
             try:
-                logits, hidden = self.graphs.forward(torch.cat(ids), torch.cat(positions), cache,
-                                                     self._no_mask, kept, hidden_wanted)
+                logits, hidden = self.graphs.forward(all_ids, all_positions, cache, self._no_mask,
+                                                     kept, hidden_wanted)
             except cuda_graphs.GraphsOff:
-                self.graphs.stats.eager += 1
-        elif self.graphs is not None:
-            self.graphs.stats.eager += 1
+                pass
         if logits is None:
             out = self._forward(
-                input_ids=torch.cat(ids)[None],
-                position_ids=torch.cat(positions)[None],
+                input_ids=all_ids[None],
+                position_ids=all_positions[None],
                 attention_mask=self._no_mask,
                 cache=cache,
                 output_hidden_states=hidden_wanted,
