@@ -105,46 +105,63 @@ class _Stacked(NamedTuple):
 
 
 _KINDS = {"q4": 0, "q8": 1, "bf16": 2, "f16": 2}  # csrc/lowbit_linear.h
+_INT8 = 3  # csrc/lowbit_linear.h's kInt8: W8A8Linear's packed weights
 
 
 class _Native:
-    """A layer whose four linear layers (stacked) are in blocks, without biases: forwards of
-    up to `max_rows` rows run its work around the attention in two calls of the native library
+    """A layer whose four linear layers (stacked) the native library multiplies, without
+    biases: a forward it takes runs its work around the attention in two calls of the library
     (`csrc/lean_layer.cpp`), the same operators as the Python halves, so the results are equal
-    bit for bit and the interpreter's and dispatcher's cost per operator is gone. The limit is
-    timed at start (`time_native`); None: the linear layers' own (`BlockLinear.max_rows`).
-    A linear layer set to dense products (`max_rows` 0) turns it off. Under w8a8 the blocks
-    are the int8 layers' exact paths (`int8`), and forwards from their int8 row count on stay
-    in Python, where the int8 products run."""
+    bit for bit and the interpreter's and dispatcher's cost per operator is gone.
+
+    Two sets of weights, each where the Python forward would use it:
+    - `linears`, the layers in blocks (BlockLinear), for forwards of up to `max_rows` rows. The
+      limit is timed at start (`time_native`); None: the linear layers' own
+      (`BlockLinear.max_rows`). A linear layer set to dense products (`max_rows` 0) turns it off.
+    - `int8`, the w8a8 layers whose product is the library's (`W8A8Linear.ops`), for forwards
+      from their int8 row count on. Their exact paths are `linears` where those are in blocks.
+    Forwards that neither takes run in Python."""
 
     def __init__(self, ops, linears: tuple[BlockLinear, ...], int8: tuple[W8A8Linear, ...] = ()):
         self.ops = ops  # engine.kernels.native.Native
-        self.linears = linears  # qkv, o, gate_up, down
+        self.linears = linears  # qkv, o, gate_up, down; () where they are not in blocks
         self.int8 = int8
         # Each one's (kind, q, d, m) as the library takes them, built once, not every forward.
         self.blocks = [(_KINDS[b.kind], b.q, b.d, b.m) for b in linears]
-        self.dtype = linears[0].weight.dtype
+        native_int8 = int8 and all(w.ops is not None and w.packed is not None for w in int8)
+        self.int8_blocks = ([(_INT8, w.packed.weight, w.packed.scales, None) for w in int8]
+                            if native_int8 else None)
+        self.dtype = (linears or int8)[0].weight.dtype
         self.max_rows: int | None = None
 
-    def takes(self, hidden: torch.Tensor) -> bool:
+    def blocks_for(self, hidden: torch.Tensor) -> list | None:
+        """The weights a forward of `hidden` multiplies natively; None: it runs in Python."""
+        if hidden.device.type != "cpu" or hidden.dtype != self.dtype:
+            return None
         rows = hidden.numel() // hidden.shape[-1]
+        if self.int8 and rows >= min(w.min_rows for w in self.int8):
+            return self.int8_blocks
+        if not self.linears:
+            return None
         own = min(b.max_rows for b in self.linears)
         limit = own if self.max_rows is None or not own else self.max_rows
-        if self.int8:
-            limit = min(limit, min(w.min_rows for w in self.int8) - 1)
-        return hidden.device.type == "cpu" and hidden.dtype == self.dtype and rows <= limit
+        return self.blocks if rows <= limit else None
+
+    def takes(self, hidden: torch.Tensor) -> bool:
+        return self.blocks_for(hidden) is not None
 
     def attention_inputs(self, layer: torch.nn.Module, hidden_states: torch.Tensor,
-                         position_embeddings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         position_embeddings, blocks: list | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         stacked, norm = vars(layer)["_lean_stacked"], layer.input_layernorm
         return self.ops.lean_attention_inputs(
-            hidden_states, norm.weight, norm.variance_epsilon, *self.blocks[0],
+            hidden_states, norm.weight, norm.variance_epsilon, *(blocks or self.blocks)[0],
             stacked.q_heads, stacked.kv_heads, layer.self_attn.head_dim,
             *_rotary_tables(position_embeddings))
 
     def attention_output(self, layer: torch.nn.Module, out: torch.Tensor,
-                         residual: torch.Tensor) -> torch.Tensor:
-        _, o, gate_up, down = self.blocks
+                         residual: torch.Tensor, blocks: list | None = None) -> torch.Tensor:
+        _, o, gate_up, down = blocks or self.blocks
         norm = layer.post_attention_layernorm
         return self.ops.lean_attention_output(out, residual, *o, norm.weight,
                                               norm.variance_epsilon, *gate_up, *down)
@@ -157,11 +174,18 @@ class _Native:
         int8 = tuple(b for b in linears if type(b) is W8A8Linear)
         if int8 and len(int8) != len(linears):
             return None
-        linears = tuple(b.exact for b in int8) or linears
-        if not all(type(b) is BlockLinear and b.bias is None and b.ops is not None
-                   and b.weight.dtype == linears[0].weight.dtype for b in linears):
+        exact = tuple(b.exact for b in int8) or linears
+        in_blocks = all(type(b) is BlockLinear and b.bias is None and b.ops is not None
+                        and b.weight.dtype == exact[0].weight.dtype for b in exact)
+        if not (in_blocks or int8):
             return None
-        return cls(linears[0].ops, linears, int8)
+        native = cls(exact[0].ops if in_blocks else None, exact if in_blocks else (), int8)
+        if native.int8_blocks is not None:
+            if any(w.bias is not None or w.dtype != int8[0].dtype for w in int8):
+                native.int8_blocks = None
+            elif native.ops is None:
+                native.ops = int8[0].ops
+        return native if native.linears or native.int8_blocks else None
 
 
 def _stack(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
@@ -231,20 +255,21 @@ def lean_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_
         cache = kwargs.pop("past_key_values", None)
     kwargs.pop("use_cache", None)
     native = vars(layer)["_lean_native"]
-    if native is None or not native.takes(hidden_states):
-        native = None
+    blocks = None if native is None else native.blocks_for(hidden_states)
+    if blocks is None:
         query, key, value = _attention_inputs(layer, hidden_states, position_embeddings)
     else:
-        query, key, value = native.attention_inputs(layer, hidden_states, position_embeddings)
+        query, key, value = native.attention_inputs(layer, hidden_states, position_embeddings,
+                                                    blocks)
     if cache is not None:
         key, value = cache.update(key, value, attn.layer_idx)
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
                                                       _llama.eager_attention_forward)
     out, _ = attention(attn, query, key, value, attention_mask, dropout=0.0,
                        scaling=attn.scaling, **kwargs)
-    if native is None:
+    if blocks is None:
         return _attention_output(layer, out, hidden_states)
-    return native.attention_output(layer, out, hidden_states)
+    return native.attention_output(layer, out, hidden_states, blocks)
 
 
 def _attention_inputs(layer: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings,
@@ -366,8 +391,8 @@ def time_native(model: torch.nn.Module, cache: Path | None, build_key: str,
     native forward also saves the Python of every other operator of the layer, so it can pay
     beyond that limit, up to where the dense products' speed outweighs it (a speculative step's
     few draft rows on a bf16 model, say)."""
-    natives = [(m, vars(m)["_lean_native"]) for m in model.modules()
-               if vars(m).get("_lean_native") is not None]
+    natives = [(m, n) for m in model.modules()
+               if (n := vars(m).get("_lean_native")) is not None and n.linears]
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
     if not natives or rotary is None:
         return NativeReport(len(natives))

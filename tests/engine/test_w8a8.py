@@ -202,11 +202,65 @@ def test_prepare_puts_a_bf16_model_on_the_native_int8_product_under_native_layer
     layer = loaded.model.model.layers[0]
     stacked, lean = vars(layer)["_lean_stacked"], vars(layer)["_lean_native"]
     assert type(stacked.qkv) is W8A8Linear and stacked.qkv.ops is ops
-    if prepared.w8a8.min_rows < NEVER:
-        assert lean is not None and len(lean.int8) == 4
-        for w in lean.int8:
-            w.min_rows = 3
-        assert lean.takes(torch.zeros(2, 1, layer.input_layernorm.weight.shape[0],
-                                      dtype=torch.bfloat16))
-        assert not lean.takes(torch.zeros(3, 1, layer.input_layernorm.weight.shape[0],
-                                          dtype=torch.bfloat16))
+    assert lean is not None and len(lean.int8) == 4
+    for layer_ in loaded.model.model.layers:
+        for w in vars(layer_)["_lean_native"].int8:
+            w.min_rows = 3  # whatever this host's timing chose
+    rows = torch.zeros(3, 1, layer.input_layernorm.weight.shape[0], dtype=torch.bfloat16)
+    assert lean.blocks_for(rows[:2]) is lean.blocks  # below int8's rows: the exact blocks
+    assert [b[0] for b in lean.blocks_for(rows)] == [3] * 4  # from them on: int8, natively
+    assert [b[1] for b in lean.blocks_for(rows)] == [w.packed.weight for w in lean.int8]
+
+
+def test_native_int8_layers_equal_the_python_forward_bit_for_bit(ops, smollm2: LoadedModel,
+                                                                monkeypatch):
+    """Forwards of int8's rows run each layer's work around the attention in the native
+    library over the int8 weights: logits and KV cache equal the Python halves' bit for bit
+    (the same operators), on fp32 and bf16 models."""
+    from transformers.cache_utils import DynamicCache
+
+    from engine.kernels import native
+    from engine.model import llama_layers
+    from engine.model.runner import cache_keyword
+
+    if not (native.int8_dot_product() and w8a8.int32_sums_exact()):
+        pytest.skip("the native int8 product is chosen only where int8 sums are exact in int32")
+    calls = []
+    native_output = llama_layers._Native.attention_output
+    monkeypatch.setattr(llama_layers._Native, "attention_output",
+                        lambda self, *a: calls.append(a[-1][0][0]) or native_output(self, *a))
+    for dtype in ("fp32", "bf16"):
+        loaded = copy.copy(smollm2)
+        loaded.model = load_model(EngineConfig(dtype=dtype)).model
+        prepare(loaded, EngineConfig(dtype=dtype, quantize="w8a8"))
+        model, layers = loaded.model, list(loaded.model.model.layers)
+        natives = [vars(layer)["_lean_native"] for layer in layers]
+        assert all(n is not None and n.int8_blocks is not None for n in natives)
+        for n in natives:
+            for w in n.int8:
+                w.min_rows = 3
+        ids = torch.tensor([loaded.tokenizer.encode(
+            "The capital of France is Paris, and the capital of Italy is")])
+
+        def run() -> tuple[list[torch.Tensor], DynamicCache]:
+            cache, logits = DynamicCache(), []
+            with torch.inference_mode():
+                for chunk in (ids[:, :-4], ids[:, -4:]):  # both at least int8's 3 rows
+                    logits.append(model(input_ids=chunk, **{cache_keyword(model): cache},
+                                        use_cache=True).logits)
+            return logits, cache
+
+        calls.clear()
+        native_logits, native_cache = run()
+        assert calls == [3] * (2 * len(layers))  # every layer, both forwards, in int8
+        for layer in layers:
+            vars(layer)["_lean_native"] = None
+        python_logits, python_cache = run()
+        assert len(calls) == 2 * len(layers)
+        assert all(torch.equal(a, b) for a, b in zip(native_logits, python_logits))
+        for a, b in zip(native_cache.layers, python_cache.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        # and int8 ran: the exact products give other logits
+        with w8a8.exact_products(model):
+            exact_logits, _ = run()
+        assert not torch.equal(exact_logits[0], native_logits[0])

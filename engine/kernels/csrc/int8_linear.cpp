@@ -16,6 +16,7 @@
 #include <optional>
 #include <type_traits>
 
+#include "lowbit_linear.h"
 #include "vec.h"
 
 namespace {
@@ -123,6 +124,15 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 }
 
 }  // namespace
+
+namespace seqgate {
+
+at::Tensor int8_product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& bias) {
+  return int8_linear(x, weight, scales, bias);
+}
+
+}  // namespace seqgate
 
 TORCH_LIBRARY_FRAGMENT(seqgate, m) {
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");

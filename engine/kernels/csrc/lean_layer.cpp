@@ -1,14 +1,18 @@
 // A Llama decoder layer's work before and after its attention, for forwards of few rows whose
-// linear layers are in blocks (engine.model.llama_layers' lean forward, its native path).
+// linear layers are in blocks, and for forwards of many rows in int8 arithmetic
+// (engine.model.llama_layers' lean forward, its native path).
 //
 // At one row the operators of a layer are tiny, and their cost is the calls: from Python each
 // takes 2-3 µs of interpreter and dispatch, about half of a one-row step outside the weights'
-// products (docs/benchmarks/speed.md). These two functions run the same ATen operators on the
+// products (docs/benchmarks/speed.md). At many rows the calls are a smaller share, but the
+// interpreter holds one of the cores while the other waits: on 2 cores the Python of a step is
+// serial time. These two functions run the same ATen operators on the
 // same tensors in the same order as the Python forward, so their results are equal bit for bit
 // (tests/engine/test_lowbit.py), and only the calls from Python go away. The KV cache update and
 // the attention stay in Python between them: they are the model's and the engine's own.
 //
-// Each linear layer is (kind, q, d, m) as engine.model.lowbit.BlockLinear holds it, without a
+// Each linear layer is (kind, q, d, m) as engine.model.lowbit.BlockLinear holds it, or
+// (kInt8, weight, scales, None) as engine.model.w8a8.W8A8Linear's packed weights, without a
 // bias; `block_product` multiplies it.
 
 #include <ATen/ATen.h>

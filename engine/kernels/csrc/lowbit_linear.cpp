@@ -356,8 +356,11 @@ at::Tensor block_product(const at::Tensor& x, int64_t kind, const at::Tensor& q,
       return q8_linear(x, q, *d);
     case kH16:
       return h16_linear(x, q);
+    case kInt8:
+      TORCH_CHECK(d.has_value(), "int8: scales");
+      return int8_product(x, q, *d, std::nullopt);
   }
-  TORCH_CHECK(false, "block kind: 0 (q4), 1 (q8) or 2 (16-bit), not ", kind);
+  TORCH_CHECK(false, "block kind: 0 (q4), 1 (q8), 2 (16-bit) or 3 (int8), not ", kind);
 }
 
 }  // namespace seqgate

@@ -1,4 +1,5 @@
-// The block product of lowbit_linear.cpp, for the other kernels of the library to call.
+// The block product of lowbit_linear.cpp and the int8 product of int8_linear.cpp, for the other
+// kernels of the library to call.
 
 #pragma once
 
@@ -9,11 +10,17 @@
 namespace seqgate {
 
 // The kinds of block weights (engine.model.lowbit.BlockLinear.kind): Q4_1, Q8_0, and 16-bit
-// values (bf16 or fp16; `q` then holds them and `d`, `m` are unused).
-constexpr int64_t kQ4 = 0, kQ8 = 1, kH16 = 2;
+// values (bf16 or fp16; `q` then holds them and `d`, `m` are unused); and int8 weights for
+// int8 arithmetic (engine.model.w8a8: `q` [in, out] int8, `d` one fp32 scale per output).
+constexpr int64_t kQ4 = 0, kQ8 = 1, kH16 = 2, kInt8 = 3;
 
 // x [rows, in] (float32 or bfloat16) times the weights in blocks -> [rows, out], x's dtype.
 at::Tensor block_product(const at::Tensor& x, int64_t kind, const at::Tensor& q,
                          const std::optional<at::Tensor>& d, const std::optional<at::Tensor>& m);
+
+// x [rows, in] (float32 or bfloat16, contiguous) times int8 `weight` [in, out] with one fp32
+// scale per output channel, each row quantised with its own scale -> [rows, out], x's dtype.
+at::Tensor int8_product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& bias);
 
 }  // namespace seqgate
