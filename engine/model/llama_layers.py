@@ -105,7 +105,7 @@ class _Stacked(NamedTuple):
 
 
 _KINDS = {"q4": 0, "q8": 1, "bf16": 2, "f16": 2}  # csrc/lowbit_linear.h
-_INT8 = 3  # csrc/lowbit_linear.h's kInt8: W8A8Linear's packed weights
+_INT8, _DENSE, _ONEDNN = 3, 4, 5  # csrc/lowbit_linear.h: int8, dense and prepacked weights
 
 
 class _Native:
@@ -114,13 +114,15 @@ class _Native:
     (`csrc/lean_layer.cpp`), the same operators as the Python halves, so the results are equal
     bit for bit and the interpreter's and dispatcher's cost per operator is gone.
 
-    Two sets of weights, each where the Python forward would use it:
+    Three sets of weights, each where the Python forward would use it:
     - `linears`, the layers in blocks (BlockLinear), for forwards of up to `max_rows` rows. The
       limit is timed at start (`time_native`); None: the linear layers' own
-      (`BlockLinear.max_rows`). A linear layer set to dense products (`max_rows` 0) turns it off.
+      (`BlockLinear.max_rows`); a linear layer set to dense products (`max_rows` 0) sets it to 0.
+    - their dense weights (`dense`: oneDNN's prepacked copy where they have one, else the
+      weight as F.linear takes it) for larger forwards;
     - `int8`, the w8a8 layers whose product is the library's (`W8A8Linear.ops`), for forwards
       from their int8 row count on. Their exact paths are `linears` where those are in blocks.
-    Forwards that neither takes run in Python."""
+    Forwards that none takes (int8 rows on FBGEMM's product) run in Python."""
 
     def __init__(self, ops, linears: tuple[BlockLinear, ...], int8: tuple[W8A8Linear, ...] = ()):
         self.ops = ops  # engine.kernels.native.Native
@@ -128,6 +130,8 @@ class _Native:
         self.int8 = int8
         # Each one's (kind, q, d, m) as the library takes them, built once, not every forward.
         self.blocks = [(_KINDS[b.kind], b.q, b.d, b.m) for b in linears]
+        self.dense = [(_DENSE, b.weight, None, None) if b.dense_packed is None
+                      else (_ONEDNN, b.dense_packed, None, None) for b in linears]
         native_int8 = int8 and all(w.ops is not None and w.packed is not None for w in int8)
         self.int8_blocks = ([(_INT8, w.packed.weight, w.packed.scales, None) for w in int8]
                             if native_int8 else None)
@@ -145,7 +149,7 @@ class _Native:
             return None
         own = min(b.max_rows for b in self.linears)
         limit = own if self.max_rows is None or not own else self.max_rows
-        return self.blocks if rows <= limit else None
+        return self.blocks if rows <= limit else self.dense
 
     def takes(self, hidden: torch.Tensor) -> bool:
         return self.blocks_for(hidden) is not None
@@ -245,9 +249,9 @@ def lean_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_
     Two changes of form, not of arithmetic: the query, key and value projections run as one
     matrix product (and the gate and up projections as another), whose output columns are
     each a dot product over the same inputs as before; and the rotary embedding turns the
-    query and key heads in one pass, element by element as before. Where the layer's linear
-    layers are in blocks and the forward has rows few enough, the work before and after the
-    attention runs in the native library (`_Native`), with the same operators."""
+    query and key heads in one pass, element by element as before. Where the native library
+    multiplies the layer's linear layers (in blocks, or in int8), the work before and after
+    the attention runs there (`_Native`), with the same operators."""
     attn = layer.self_attn
     # The cache's keyword: `cache` in newer 5.x releases, `past_key_values` in earlier ones.
     cache = kwargs.pop("cache", None)
@@ -375,9 +379,9 @@ def install(model: torch.nn.Module) -> int:
 
 @dataclass(frozen=True)
 class NativeReport:
-    """Layers whose work around the attention runs in the native library, the row count it
-    serves up to, and the timings (ms per pass over them, native against the Python halves
-    with dense products) it was chosen by; max_rows None: the linear layers' own limit."""
+    """Layers whose work around the attention runs in the native library, the row count up to
+    which it multiplies in blocks, and the timings (ms per pass over them, in blocks against
+    dense) it was chosen by; max_rows None: the linear layers' own limit."""
 
     layers: int = 0
     max_rows: int | None = None
@@ -386,11 +390,10 @@ class NativeReport:
 
 def time_native(model: torch.nn.Module, cache: Path | None, build_key: str,
                 threads: int | None) -> NativeReport:
-    """Time the native layers' row limit (cached per host, model shape and limit of the
-    linear layers) and set it. The linear layers' own limit compares their products alone; a
-    native forward also saves the Python of every other operator of the layer, so it can pay
-    beyond that limit, up to where the dense products' speed outweighs it (a speculative step's
-    few draft rows on a bf16 model, say)."""
+    """Time the row count up to which the native layers multiply in blocks, above it dense
+    (cached per host, model shape and limit of the linear layers), and set it. The linear
+    layers' own limit compares their products alone; this one times the layers' whole work
+    around the attention, as the forwards run it."""
     natives = [(m, n) for m in model.modules()
                if (n := vars(m).get("_lean_native")) is not None and n.linears]
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
@@ -399,7 +402,7 @@ def time_native(model: torch.nn.Module, cache: Path | None, build_key: str,
     own = min(b.max_rows for _, n in natives for b in n.linears)
     first = natives[0][1]
     with torch_threads(threads):
-        signature = json.dumps(["native", build_key, torch.get_num_threads(), len(natives),
+        signature = json.dumps(["native-dense", build_key, torch.get_num_threads(), len(natives),
                                 str(first.dtype), own,
                                 [list(b.q.shape) + [b.kind] for b in first.linears],
                                 CANDIDATE_ROWS])
@@ -412,8 +415,8 @@ def time_native(model: torch.nn.Module, cache: Path | None, build_key: str,
 
 def _measure_native(natives: list, rotary: torch.nn.Module, own: int) -> dict:
     """The largest candidate row count (at least `own`) at which one pass over the layers'
-    work around their attention is faster natively than in Python with dense products; stops
-    after two losses in a row."""
+    work around their attention is faster with the products in blocks than with the dense
+    ones (both natively); stops after two losses in a row."""
     layer, first = natives[0]
     hidden_size = layer.input_layernorm.weight.shape[0]
     width = first.linears[1].in_features  # the attention's output, the output projection's in
@@ -422,39 +425,21 @@ def _measure_native(natives: list, rotary: torch.nn.Module, own: int) -> dict:
         hidden = torch.randn(n, 1, hidden_size, dtype=first.dtype)
         tables = rotary(hidden, torch.zeros(n, 1, dtype=torch.long))
         out = torch.randn(n, 1, width, dtype=first.dtype)
-        native = best_of(2, functools.partial(_pass, natives, True, hidden, tables, out))
-        with _dense(natives):
-            python = best_of(2, functools.partial(_pass, natives, False, hidden, tables, out))
-        return native, python
+        return tuple(best_of(2, functools.partial(_pass, natives, which, hidden, tables, out))
+                     for which in ("blocks", "dense"))
 
     with torch.inference_mode():
         best, timings = largest_win([n for n in CANDIDATE_ROWS if n > own], timed, own)
     return {"max_rows": best, "timings": timings}
 
 
-def _pass(natives: list, native: bool, hidden: torch.Tensor, tables, out: torch.Tensor) -> None:
+def _pass(natives: list, which: str, hidden: torch.Tensor, tables, out: torch.Tensor) -> None:
     """Every layer's work before and after its attention (`out` standing in for the
-    attention's output), natively or in Python."""
+    attention's output), natively, with the products in blocks or dense (`which`)."""
     for layer, n in natives:
-        if native:
-            n.attention_inputs(layer, hidden, tables)
-            n.attention_output(layer, out, hidden)
-        else:
-            _attention_inputs(layer, hidden, tables)
-            _attention_output(layer, out, hidden)
-
-
-@contextmanager
-def _dense(natives: list) -> Iterator[None]:
-    """Within the block the native layers' linear layers multiply through their dense path."""
-    linears = {b: b.max_rows for _, n in natives for b in n.linears}
-    for b in linears:
-        b.max_rows = 0
-    try:
-        yield
-    finally:
-        for b, rows in linears.items():
-            b.max_rows = rows
+        blocks = getattr(n, which)
+        n.attention_inputs(layer, hidden, tables, blocks)
+        n.attention_output(layer, out, hidden, blocks)
 
 
 @contextmanager

@@ -85,8 +85,8 @@ def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
     if lean and blocks.mode != "off":
         native_layers = llama_layers.time_native(model, cache_dir(config), native.build_key(),
                                                  config.threads)
-        log.info("native layers: %d, for forwards of at most %s rows; ms per pass over their "
-                 "work around the attention at n rows, native vs Python: %s",
+        log.info("native layers: %d, multiplying in blocks up to %s rows; ms per pass over "
+                 "their work around the attention at n rows, in blocks vs dense: %s",
                  native_layers.layers, native_layers.max_rows, native_layers.timings)
     kernel = None
     if config.decode_attention == "auto" and packed and single and cpu:

@@ -14,7 +14,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from engine import EngineConfig, LoadedModel, SamplingParams
-from engine.model import llama_layers, lowbit
+from engine.model import llama_layers, lowbit, onednn
 from engine.model.blocks import BLOCK, blocks_of_bf16, exact_blocks, rounded_blocks
 from engine.model.lowbit import BlockLinear
 from engine.model.onednn import supported as onednn_bf16
@@ -309,8 +309,9 @@ def test_greedy_with_blocks_equals_generate_alone_and_batched(smollm2, make_engi
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_layers_equal_the_python_forward_bit_for_bit(smollm2, dtype, monkeypatch):
     """A layer whose linear layers are in blocks runs its work around the attention in the
-    native library for forwards the kernel takes: every step's logits and the KV cache equal
-    those of the layer's Python forward bit for bit (the same operators, called from C++)."""
+    native library, multiplying in blocks up to their row limit and densely above it (oneDNN's
+    prepacked copy on bf16): every step's logits and the KV cache equal those of the layer's
+    Python forward bit for bit (the same operators, called from C++)."""
     fresh = _fresh(smollm2)
     model = fresh.model.to(dtype)
     loaded = LoadedModel(model, fresh.tokenizer, fresh.name, fresh.source, fresh.device, dtype,
@@ -321,13 +322,13 @@ def test_native_layers_equal_the_python_forward_bit_for_bit(smollm2, dtype, monk
     assert all(n is not None for n in natives)
     for m in [*model.modules(), *(b for n in natives for b in n.linears)]:
         if isinstance(m, BlockLinear):
-            m.max_rows = 8  # whatever this host's timing chose (the stacked ones are no modules)
+            m.max_rows = 4  # whatever this host's timing chose (the stacked ones are no modules)
     for n in natives:
         n.max_rows = None  # the linear layers' limit
     calls = []
     native_output = llama_layers._Native.attention_output
     monkeypatch.setattr(llama_layers._Native, "attention_output",
-                        lambda *a: calls.append(1) or native_output(*a))
+                        lambda *a: calls.append(a[-1][0][0]) or native_output(*a))
     ids = torch.tensor([loaded.tokenizer.encode("The capital of France is Paris, and the")])
 
     def run() -> tuple[list[torch.Tensor], DynamicCache]:
@@ -339,7 +340,11 @@ def test_native_layers_equal_the_python_forward_bit_for_bit(smollm2, dtype, monk
         return logits, cache
 
     native_logits, native_cache = run()
-    assert len(calls) == 3 * len(layers)
+    dense = 5 if natives[0].linears[0].dense_packed is not None else 4  # oneDNN's, or F.linear's
+    assert dtype == torch.float32 or not onednn.supported(natives[0].linears[0].weight) \
+        or dense == 5
+    kind = natives[0].blocks[0][0]
+    assert calls == [dense] * len(layers) + [kind] * (2 * len(layers))
     for layer in layers:
         vars(layer)["_lean_native"] = None
     python_logits, python_cache = run()
@@ -364,7 +369,11 @@ def test_the_native_row_limit_is_timed_beyond_the_linear_layers_and_dense_turns_
     assert all(n.max_rows == report.max_rows for n in natives)
     rows = torch.zeros(report.max_rows, 1, fresh.model.config.hidden_size,
                        dtype=natives[0].dtype)  # the shared model's dtype: this host's default
-    assert natives[0].takes(rows) and not natives[0].takes(rows.new_zeros(16, 1, rows.shape[-1]))
-    for b in natives[0].linears:
+    first = natives[0]
+    assert first.blocks_for(rows) is first.blocks
+    assert first.blocks_for(rows.new_zeros(16, 1, rows.shape[-1])) is first.dense
+    for b in first.linears:
         b.max_rows = 0  # dense products asked for (engine.model.prepare.original_model)
-    assert not natives[0].takes(rows[:1])
+    assert first.blocks_for(rows[:1]) is first.dense
+    assert first.blocks_for(rows.float() if rows.dtype != torch.float32 else rows.bfloat16()) \
+        is None  # rows of another dtype: the Python forward's own conversions

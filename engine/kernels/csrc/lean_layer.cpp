@@ -99,3 +99,10 @@ TORCH_LIBRARY_IMPL(seqgate, CPU, m) {
   m.impl("lean_attention_inputs", &lean_attention_inputs);
   m.impl("lean_attention_output", &lean_attention_output);
 }
+
+// oneDNN's prepacked weights (kOnednn) are tensors of their own backend, which the dispatcher
+// picks for a call that passes one.
+TORCH_LIBRARY_IMPL(seqgate, MkldnnCPU, m) {
+  m.impl("lean_attention_inputs", &lean_attention_inputs);
+  m.impl("lean_attention_output", &lean_attention_output);
+}

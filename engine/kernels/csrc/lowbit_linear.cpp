@@ -25,6 +25,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
@@ -341,6 +343,17 @@ at::Tensor h16_linear(const at::Tensor& x, const at::Tensor& w) {
   return bf16 ? linear<Kind::BF16>(x, ws, w.size(0)) : linear<Kind::F16>(x, ws, w.size(0));
 }
 
+// engine.model.onednn.product's call, `mkldnn::_linear_pointwise(x, packed, None, "none", [],
+// "")`, through the dispatcher (the operator has no C++ API of its own).
+at::Tensor onednn_product(const at::Tensor& x, const at::Tensor& packed) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, c10::IValue(), c10::IValue("none"),
+                          c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 }  // namespace
 
 namespace seqgate {
@@ -359,8 +372,13 @@ at::Tensor block_product(const at::Tensor& x, int64_t kind, const at::Tensor& q,
     case kInt8:
       TORCH_CHECK(d.has_value(), "int8: scales");
       return int8_product(x, q, *d, std::nullopt);
+    case kDense:
+      return at::linear(x, q);
+    case kOnednn:
+      return onednn_product(x, q);
   }
-  TORCH_CHECK(false, "block kind: 0 (q4), 1 (q8), 2 (16-bit) or 3 (int8), not ", kind);
+  TORCH_CHECK(false, "block kind: 0 (q4), 1 (q8), 2 (16-bit), 3 (int8), 4 (dense) or ",
+              "5 (oneDNN's), not ", kind);
 }
 
 }  // namespace seqgate

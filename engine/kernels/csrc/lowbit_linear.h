@@ -10,9 +10,12 @@
 namespace seqgate {
 
 // The kinds of block weights (engine.model.lowbit.BlockLinear.kind): Q4_1, Q8_0, and 16-bit
-// values (bf16 or fp16; `q` then holds them and `d`, `m` are unused); and int8 weights for
-// int8 arithmetic (engine.model.w8a8: `q` [in, out] int8, `d` one fp32 scale per output).
-constexpr int64_t kQ4 = 0, kQ8 = 1, kH16 = 2, kInt8 = 3;
+// values (bf16 or fp16; `q` then holds them and `d`, `m` are unused); int8 weights for int8
+// arithmetic (engine.model.w8a8: `q` [in, out] int8, `d` one fp32 scale per output); and the
+// layer's dense weights for forwards beyond the block kernel's rows: `q` the weight [out, in]
+// multiplied as F.linear does (kDense), or oneDNN's prepacked copy of it
+// (engine.model.onednn.pack, kOnednn).
+constexpr int64_t kQ4 = 0, kQ8 = 1, kH16 = 2, kInt8 = 3, kDense = 4, kOnednn = 5;
 
 // x [rows, in] (float32 or bfloat16) times the weights in blocks -> [rows, out], x's dtype.
 at::Tensor block_product(const at::Tensor& x, int64_t kind, const at::Tensor& q,
