@@ -137,7 +137,7 @@ def _native(report) -> dict | None:
     if report is None or not report.layers:
         return None
     return {"layers": report.layers, "max_rows": report.max_rows,
-            "ms_per_pass_native_vs_python": report.timings}
+            "ms_per_pass_blocks_vs_dense": report.timings}
 
 
 def _w8a8(report) -> dict | None:

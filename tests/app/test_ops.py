@@ -25,7 +25,7 @@ def test_health_and_version(http, live_server):
     native = engine.native_layers
     assert kernels["native_layers"] == ({
         "layers": native.layers, "max_rows": native.max_rows,
-        "ms_per_pass_native_vs_python": native.timings} if native.layers else None)
+        "ms_per_pass_blocks_vs_dense": native.timings} if native.layers else None)
     assert native.layers in (0, engine.lean_layers)
     assert version["engine"]["speculative"] == {
         "method": "ngram", "model": None,
