@@ -128,3 +128,37 @@ def count_slab_columns(monkeypatch) -> list[int]:
         monkeypatch.setattr(module, "pages_on_write", lambda device: False)
     monkeypatch.setattr(sizing_module, "new_slabs", counting)
     return sizes
+
+
+def forward_in_chunks(model: torch.nn.Module, ids: torch.Tensor, cuts: list[int]
+                      ) -> tuple[list[torch.Tensor], object]:
+    """The logits of each forward of `ids` [1, tokens] cut at the `cuts` columns, through one
+    DynamicCache, and that cache."""
+    from transformers.cache_utils import DynamicCache
+
+    from engine.model.runner import cache_keyword
+
+    cache, logits = DynamicCache(), []
+    bounds = [0, *cuts, ids.shape[1]]
+    with torch.inference_mode():
+        for a, b in zip(bounds, bounds[1:]):
+            logits.append(model(input_ids=ids[:, a:b], **{cache_keyword(model): cache},
+                                use_cache=True).logits)
+    return logits, cache
+
+
+def python_forward_in_chunks(model: torch.nn.Module, ids: torch.Tensor, cuts: list[int]
+                            ) -> tuple[list[torch.Tensor], object]:
+    """`forward_in_chunks` with every lean layer's native halves turned off (the Python
+    forward); they stay off."""
+    for layer in model.model.layers:
+        vars(layer)["_lean_native"] = None
+    return forward_in_chunks(model, ids, cuts)
+
+
+def assert_same_forwards(a: tuple[list[torch.Tensor], object],
+                         b: tuple[list[torch.Tensor], object]) -> None:
+    """Two `forward_in_chunks` results equal bit for bit: logits and KV cache."""
+    assert all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+    for x, y in zip(a[1].layers, b[1].layers):
+        assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)

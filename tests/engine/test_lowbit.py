@@ -11,16 +11,21 @@ import json
 
 import pytest
 import torch
-from transformers.cache_utils import DynamicCache
 
 from engine import EngineConfig, LoadedModel, SamplingParams
-from engine.model import llama_layers, lowbit, onednn
+from engine.model import llama_layers, lowbit
 from engine.model.blocks import BLOCK, blocks_of_bf16, exact_blocks, rounded_blocks
 from engine.model.lowbit import BlockLinear
 from engine.model.onednn import supported as onednn_bf16
 from engine.model.prepare import original_model, prepare
-from engine.model.runner import cache_keyword
-from tests.engine.helpers import collect, reference_greedy, varied_prompts
+from tests.engine.helpers import (
+    assert_same_forwards,
+    collect,
+    forward_in_chunks,
+    python_forward_in_chunks,
+    reference_greedy,
+    varied_prompts,
+)
 from tests.engine.test_native import needs_kernel
 
 
@@ -330,28 +335,16 @@ def test_native_layers_equal_the_python_forward_bit_for_bit(smollm2, dtype, monk
     monkeypatch.setattr(llama_layers._Native, "attention_output",
                         lambda *a: calls.append(a[-1][0][0]) or native_output(*a))
     ids = torch.tensor([loaded.tokenizer.encode("The capital of France is Paris, and the")])
-
-    def run() -> tuple[list[torch.Tensor], DynamicCache]:
-        cache, logits = DynamicCache(), []
-        with torch.inference_mode():
-            for chunk in (ids[:, :-2], ids[:, -2:-1], ids[:, -1:]):  # 8 rows, then 1 and 1
-                logits.append(model(input_ids=chunk, **{cache_keyword(model): cache},
-                                    use_cache=True).logits)
-        return logits, cache
-
-    native_logits, native_cache = run()
+    cuts = [ids.shape[1] - 2, ids.shape[1] - 1]  # 8 rows, then 1 and 1
+    native = forward_in_chunks(model, ids, cuts)
     dense = 5 if natives[0].linears[0].dense_packed is not None else 4  # oneDNN's, or F.linear's
-    assert dtype == torch.float32 or not onednn.supported(natives[0].linears[0].weight) \
+    assert dtype == torch.float32 or not onednn_bf16(natives[0].linears[0].weight) \
         or dense == 5
     kind = natives[0].blocks[0][0]
     assert calls == [dense] * len(layers) + [kind] * (2 * len(layers))
-    for layer in layers:
-        vars(layer)["_lean_native"] = None
-    python_logits, python_cache = run()
+    python = python_forward_in_chunks(model, ids, cuts)
     assert len(calls) == 3 * len(layers)
-    assert all(torch.equal(a, b) for a, b in zip(native_logits, python_logits))
-    for a, b in zip(native_cache.layers, python_cache.layers):
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert_same_forwards(native, python)
 
 
 @needs_kernel

@@ -217,11 +217,13 @@ def test_native_int8_layers_equal_the_python_forward_bit_for_bit(ops, smollm2: L
     """Forwards of int8's rows run each layer's work around the attention in the native
     library over the int8 weights: logits and KV cache equal the Python halves' bit for bit
     (the same operators), on fp32 and bf16 models."""
-    from transformers.cache_utils import DynamicCache
-
     from engine.kernels import native
     from engine.model import llama_layers
-    from engine.model.runner import cache_keyword
+    from tests.engine.helpers import (
+        assert_same_forwards,
+        forward_in_chunks,
+        python_forward_in_chunks,
+    )
 
     if not (native.int8_dot_product() and w8a8.int32_sums_exact()):
         pytest.skip("the native int8 product is chosen only where int8 sums are exact in int32")
@@ -241,26 +243,14 @@ def test_native_int8_layers_equal_the_python_forward_bit_for_bit(ops, smollm2: L
                 w.min_rows = 3
         ids = torch.tensor([loaded.tokenizer.encode(
             "The capital of France is Paris, and the capital of Italy is")])
-
-        def run() -> tuple[list[torch.Tensor], DynamicCache]:
-            cache, logits = DynamicCache(), []
-            with torch.inference_mode():
-                for chunk in (ids[:, :-4], ids[:, -4:]):  # both at least int8's 3 rows
-                    logits.append(model(input_ids=chunk, **{cache_keyword(model): cache},
-                                        use_cache=True).logits)
-            return logits, cache
-
+        cuts = [ids.shape[1] - 4]  # both forwards at least int8's 3 rows
         calls.clear()
-        native_logits, native_cache = run()
+        native = forward_in_chunks(model, ids, cuts)
         assert calls == [3] * (2 * len(layers))  # every layer, both forwards, in int8
-        for layer in layers:
-            vars(layer)["_lean_native"] = None
-        python_logits, python_cache = run()
+        python = python_forward_in_chunks(model, ids, cuts)
         assert len(calls) == 2 * len(layers)
-        assert all(torch.equal(a, b) for a, b in zip(native_logits, python_logits))
-        for a, b in zip(native_cache.layers, python_cache.layers):
-            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert_same_forwards(native, python)
         # and int8 ran: the exact products give other logits
         with w8a8.exact_products(model):
-            exact_logits, _ = run()
-        assert not torch.equal(exact_logits[0], native_logits[0])
+            exact_logits, _ = forward_in_chunks(model, ids, cuts)
+        assert not torch.equal(exact_logits[0], native[0][0])
