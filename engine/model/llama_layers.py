@@ -115,14 +115,14 @@ class _Native:
     bit for bit and the interpreter's and dispatcher's cost per operator is gone.
 
     Three sets of weights, each where the Python forward would use it:
-    - `linears`, the layers in blocks (BlockLinear), for forwards of up to `max_rows` rows. The
-      limit is timed at start (`time_native`); None: the linear layers' own
-      (`BlockLinear.max_rows`); a linear layer set to dense products (`max_rows` 0) sets it to 0.
+    - `linears`, the layers in blocks (BlockLinear), for forwards of up to their `max_rows`
+      rows (timed at start, `time_native`; 0 where dense products are asked for);
     - their dense weights (`dense`: oneDNN's prepacked copy where they have one, else the
       weight as F.linear takes it) for larger forwards;
     - `int8`, the w8a8 layers whose product is the library's (`W8A8Linear.ops`), for forwards
       from their int8 row count on. Their exact paths are `linears` where those are in blocks.
-    Forwards that none takes (int8 rows on FBGEMM's product) run in Python."""
+    Forwards that none takes run in Python: int8 rows on FBGEMM's product, and forwards for
+    which the four layers' row limits disagree (each layer then decides for itself)."""
 
     def __init__(self, ops, linears: tuple[BlockLinear, ...], int8: tuple[W8A8Linear, ...] = ()):
         self.ops = ops  # engine.kernels.native.Native
@@ -136,23 +136,22 @@ class _Native:
         self.int8_blocks = ([(_INT8, w.packed.weight, w.packed.scales, None) for w in int8]
                             if native_int8 else None)
         self.dtype = (linears or int8)[0].weight.dtype
-        self.max_rows: int | None = None
 
     def blocks_for(self, hidden: torch.Tensor) -> list | None:
         """The weights a forward of `hidden` multiplies natively; None: it runs in Python."""
         if hidden.device.type != "cpu" or hidden.dtype != self.dtype:
             return None
         rows = hidden.numel() // hidden.shape[-1]
-        if self.int8 and rows >= min(w.min_rows for w in self.int8):
-            return self.int8_blocks
+        if self.int8:
+            if rows >= max(w.min_rows for w in self.int8):
+                return self.int8_blocks
+            if rows >= min(w.min_rows for w in self.int8):
+                return None
         if not self.linears:
             return None
-        own = min(b.max_rows for b in self.linears)
-        limit = own if self.max_rows is None or not own else self.max_rows
-        return self.blocks if rows <= limit else self.dense
-
-    def takes(self, hidden: torch.Tensor) -> bool:
-        return self.blocks_for(hidden) is not None
+        if rows <= min(b.max_rows for b in self.linears):
+            return self.blocks
+        return self.dense if rows > max(b.max_rows for b in self.linears) else None
 
     def attention_inputs(self, layer: torch.nn.Module, hidden_states: torch.Tensor,
                          position_embeddings, blocks: list | None = None
@@ -391,15 +390,18 @@ class NativeReport:
 def time_native(model: torch.nn.Module, cache: Path | None, build_key: str,
                 threads: int | None) -> NativeReport:
     """Time the row count up to which the native layers multiply in blocks, above it dense
-    (cached per host, model shape and limit of the linear layers), and set it. The linear
-    layers' own limit compares their products alone; this one times the layers' whole work
-    around the attention, as the forwards run it."""
+    (cached per host, model shape and limit of the linear layers), and set it as the stacked
+    linear layers' limit, which the Python forward reads too. Their own limit compared their
+    products alone; this one times the layers' whole work around the attention, as the
+    forwards run it."""
     natives = [(m, n) for m in model.modules()
                if (n := vars(m).get("_lean_native")) is not None and n.linears]
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
     if not natives or rotary is None:
         return NativeReport(len(natives))
     own = min(b.max_rows for _, n in natives for b in n.linears)
+    if not own:  # dense products asked for
+        return NativeReport(len(natives), 0)
     first = natives[0][1]
     with torch_threads(threads):
         signature = json.dumps(["native-dense", build_key, torch.get_num_threads(), len(natives),
@@ -408,8 +410,9 @@ def time_native(model: torch.nn.Module, cache: Path | None, build_key: str,
                                 CANDIDATE_ROWS])
         entry = cached(timings_path(cache), signature,
                        lambda: _measure_native(natives, rotary, own))
-    for _, native in natives:
-        native.max_rows = entry["max_rows"]
+    for _, native in natives:  # one limit for the native and the Python forwards
+        for b in native.linears:
+            b.max_rows = entry["max_rows"]
     return NativeReport(len(natives), entry["max_rows"], entry["timings"])
 
 

@@ -159,6 +159,6 @@ def python_forward_in_chunks(model: torch.nn.Module, ids: torch.Tensor, cuts: li
 def assert_same_forwards(a: tuple[list[torch.Tensor], object],
                          b: tuple[list[torch.Tensor], object]) -> None:
     """Two `forward_in_chunks` results equal bit for bit: logits and KV cache."""
-    assert all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
-    for x, y in zip(a[1].layers, b[1].layers):
+    assert all(torch.equal(x, y) for x, y in zip(a[0], b[0], strict=True))
+    for x, y in zip(a[1].layers, b[1].layers, strict=True):
         assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)

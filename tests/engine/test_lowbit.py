@@ -328,8 +328,6 @@ def test_native_layers_equal_the_python_forward_bit_for_bit(smollm2, dtype, monk
     for m in [*model.modules(), *(b for n in natives for b in n.linears)]:
         if isinstance(m, BlockLinear):
             m.max_rows = 4  # whatever this host's timing chose (the stacked ones are no modules)
-    for n in natives:
-        n.max_rows = None  # the linear layers' limit
     calls = []
     native_output = llama_layers._Native.attention_output
     monkeypatch.setattr(llama_layers._Native, "attention_output",
@@ -359,7 +357,8 @@ def test_the_native_row_limit_is_timed_beyond_the_linear_layers_and_dense_turns_
     report = llama_layers.time_native(fresh.model, None, "test", None)
     assert report.layers == len(natives) and report.max_rows in (2, 4, 8)
     assert set(report.timings) <= {"4", "8"} and "4" in report.timings  # only beyond 2
-    assert all(n.max_rows == report.max_rows for n in natives)
+    # one limit for the native and the Python forwards: the stacked layers' own
+    assert all(b.max_rows == report.max_rows for n in natives for b in n.linears)
     rows = torch.zeros(report.max_rows, 1, fresh.model.config.hidden_size,
                        dtype=natives[0].dtype)  # the shared model's dtype: this host's default
     first = natives[0]
@@ -368,5 +367,7 @@ def test_the_native_row_limit_is_timed_beyond_the_linear_layers_and_dense_turns_
     for b in first.linears:
         b.max_rows = 0  # dense products asked for (engine.model.prepare.original_model)
     assert first.blocks_for(rows[:1]) is first.dense
+    first.linears[0].max_rows = report.max_rows
+    assert first.blocks_for(rows[:1]) is None  # the layers' limits disagree: Python decides
     assert first.blocks_for(rows.float() if rows.dtype != torch.float32 else rows.bfloat16()) \
         is None  # rows of another dtype: the Python forward's own conversions

@@ -207,9 +207,11 @@ def test_prepare_puts_a_bf16_model_on_the_native_int8_product_under_native_layer
         for w in vars(layer_)["_lean_native"].int8:
             w.min_rows = 3  # whatever this host's timing chose
     rows = torch.zeros(3, 1, layer.input_layernorm.weight.shape[0], dtype=torch.bfloat16)
-    assert lean.blocks_for(rows[:2]) is lean.blocks  # below int8's rows: the exact blocks
+    assert lean.blocks_for(rows[:1]) is lean.blocks  # below int8's rows: the exact blocks
     assert [b[0] for b in lean.blocks_for(rows)] == [3] * 4  # from them on: int8, natively
     assert [b[1] for b in lean.blocks_for(rows)] == [w.packed.weight for w in lean.int8]
+    lean.int8[0].min_rows = 4
+    assert lean.blocks_for(rows) is None  # the layers disagree: each decides in Python
 
 
 def test_native_int8_layers_equal_the_python_forward_bit_for_bit(ops, smollm2: LoadedModel,
