@@ -132,7 +132,8 @@ class _Native:
         self.blocks = [(_KINDS[b.kind], b.q, b.d, b.m) for b in linears]
         self.dense = [(_DENSE, b.weight, None, None) if b.dense_packed is None
                       else (_ONEDNN, b.dense_packed, None, None) for b in linears]
-        native_int8 = int8 and all(w.ops is not None and w.packed is not None for w in int8)
+        native_int8 = int8 and all(w.ops is not None and w.packed is not None and w.bias is None
+                                   and w.dtype == int8[0].dtype for w in int8)
         self.int8_blocks = ([(_INT8, w.packed.weight, w.packed.scales, None) for w in int8]
                             if native_int8 else None)
         self.dtype = (linears or int8)[0].weight.dtype
@@ -180,14 +181,10 @@ class _Native:
         exact = tuple(b.exact for b in int8) or linears
         in_blocks = all(type(b) is BlockLinear and b.bias is None and b.ops is not None
                         and b.weight.dtype == exact[0].weight.dtype for b in exact)
-        if not (in_blocks or int8):
+        ops = exact[0].ops if in_blocks else (int8[0].ops if int8 else None)
+        if ops is None:  # neither in blocks nor on the library's int8 product (FBGEMM's)
             return None
-        native = cls(exact[0].ops if in_blocks else None, exact if in_blocks else (), int8)
-        if native.int8_blocks is not None:
-            if any(w.bias is not None or w.dtype != int8[0].dtype for w in int8):
-                native.int8_blocks = None
-            elif native.ops is None:
-                native.ops = int8[0].ops
+        native = cls(ops, exact if in_blocks else (), int8)
         return native if native.linears or native.int8_blocks else None
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import DynamicCache
 
 from engine import Engine, EngineConfig, JobHandle, LoadedModel, SamplingParams
 from engine.kv.budget import PREFIX_CACHE_SHARE, kv_bytes_per_token
 from engine.model.prepare import original_model
+from engine.model.runner import cache_keyword
 
 SENTENCES = [
     "The river ran quietly past the old mill, carrying leaves from the autumn trees.",
@@ -131,13 +133,9 @@ def count_slab_columns(monkeypatch) -> list[int]:
 
 
 def forward_in_chunks(model: torch.nn.Module, ids: torch.Tensor, cuts: list[int]
-                      ) -> tuple[list[torch.Tensor], object]:
+                      ) -> tuple[list[torch.Tensor], DynamicCache]:
     """The logits of each forward of `ids` [1, tokens] cut at the `cuts` columns, through one
     DynamicCache, and that cache."""
-    from transformers.cache_utils import DynamicCache
-
-    from engine.model.runner import cache_keyword
-
     cache, logits = DynamicCache(), []
     bounds = [0, *cuts, ids.shape[1]]
     with torch.inference_mode():
@@ -148,7 +146,7 @@ def forward_in_chunks(model: torch.nn.Module, ids: torch.Tensor, cuts: list[int]
 
 
 def python_forward_in_chunks(model: torch.nn.Module, ids: torch.Tensor, cuts: list[int]
-                            ) -> tuple[list[torch.Tensor], object]:
+                            ) -> tuple[list[torch.Tensor], DynamicCache]:
     """`forward_in_chunks` with every lean layer's native halves turned off (the Python
     forward); they stay off."""
     for layer in model.model.layers:
@@ -156,8 +154,8 @@ def python_forward_in_chunks(model: torch.nn.Module, ids: torch.Tensor, cuts: li
     return forward_in_chunks(model, ids, cuts)
 
 
-def assert_same_forwards(a: tuple[list[torch.Tensor], object],
-                         b: tuple[list[torch.Tensor], object]) -> None:
+def assert_same_forwards(a: tuple[list[torch.Tensor], DynamicCache],
+                         b: tuple[list[torch.Tensor], DynamicCache]) -> None:
     """Two `forward_in_chunks` results equal bit for bit: logits and KV cache."""
     assert all(torch.equal(x, y) for x, y in zip(a[0], b[0], strict=True))
     for x, y in zip(a[1].layers, b[1].layers, strict=True):

@@ -16,6 +16,7 @@ from engine.config import ConfigError
 from engine.model import w8a8
 from engine.model.prepare import original_model, prepare
 from engine.model.w8a8 import NEVER, W8A8Linear
+from tests.engine.helpers import assert_same_forwards, forward_in_chunks, python_forward_in_chunks
 
 pytestmark = pytest.mark.skipif(not w8a8.available(), reason="no FBGEMM in this PyTorch build")
 
@@ -221,11 +222,6 @@ def test_native_int8_layers_equal_the_python_forward_bit_for_bit(ops, smollm2: L
     (the same operators), on fp32 and bf16 models."""
     from engine.kernels import native
     from engine.model import llama_layers
-    from tests.engine.helpers import (
-        assert_same_forwards,
-        forward_in_chunks,
-        python_forward_in_chunks,
-    )
 
     if not (native.int8_dot_product() and w8a8.int32_sums_exact()):
         pytest.skip("the native int8 product is chosen only where int8 sums are exact in int32")
