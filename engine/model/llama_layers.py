@@ -112,7 +112,9 @@ class _Native:
     """A layer whose four linear layers (stacked) the native library multiplies, without
     biases: a forward it takes runs its work around the attention in two calls of the library
     (`csrc/lean_layer.cpp`), the same operators as the Python halves, so the results are equal
-    bit for bit and the interpreter's and dispatcher's cost per operator is gone.
+    bit for bit and the interpreter's and dispatcher's cost per operator is gone. In int8 the
+    work between the products runs in fused passes instead, close to the Python halves' results
+    but not equal to them (w8a8 is judged by its distance from fp32).
 
     Three sets of weights, each where the Python forward would use it:
     - `linears`, the layers in blocks (BlockLinear), for forwards of up to their `max_rows`

@@ -16,7 +16,7 @@ from engine.config import ConfigError
 from engine.model import w8a8
 from engine.model.prepare import original_model, prepare
 from engine.model.w8a8 import NEVER, W8A8Linear
-from tests.engine.helpers import assert_same_forwards, forward_in_chunks, python_forward_in_chunks
+from tests.engine.helpers import forward_in_chunks, python_forward_in_chunks
 
 pytestmark = pytest.mark.skipif(not w8a8.available(), reason="no FBGEMM in this PyTorch build")
 
@@ -215,11 +215,13 @@ def test_prepare_puts_a_bf16_model_on_the_native_int8_product_under_native_layer
     assert lean.blocks_for(rows) is None  # the layers disagree: each decides in Python
 
 
-def test_native_int8_layers_equal_the_python_forward_bit_for_bit(ops, smollm2: LoadedModel,
-                                                                monkeypatch):
+def test_native_int8_layers_stay_as_close_to_the_exact_products_as_the_python_forward(
+        ops, smollm2: LoadedModel, monkeypatch):
     """Forwards of int8's rows run each layer's work around the attention in the native
-    library over the int8 weights: logits and KV cache equal the Python halves' bit for bit
-    (the same operators), on fp32 and bf16 models."""
+    library's fused int8 passes (`csrc/int8_linear.cpp`), which round where the model rounds but
+    sum the norms' squares in another order: on fp32 and bf16 models their next-token
+    distributions are as far from the exact products' as the Python forward's, with the same
+    most likely tokens, and int8 ran (the exact products give other logits)."""
     from engine.kernels import native
     from engine.model import llama_layers
 
@@ -243,12 +245,20 @@ def test_native_int8_layers_equal_the_python_forward_bit_for_bit(ops, smollm2: L
             "The capital of France is Paris, and the capital of Italy is")])
         cuts = [ids.shape[1] - 4]  # both forwards at least int8's 3 rows
         calls.clear()
-        native = forward_in_chunks(model, ids, cuts)
+        fused, _ = forward_in_chunks(model, ids, cuts)
         assert calls == [3] * (2 * len(layers))  # every layer, both forwards, in int8
-        python = python_forward_in_chunks(model, ids, cuts)
-        assert len(calls) == 2 * len(layers)
-        assert_same_forwards(native, python)
-        # and int8 ran: the exact products give other logits
         with w8a8.exact_products(model):
-            exact_logits, _ = forward_in_chunks(model, ids, cuts)
-        assert not torch.equal(exact_logits[0], native[0][0])
+            exact, _ = forward_in_chunks(model, ids, cuts)
+        python, _ = python_forward_in_chunks(model, ids, cuts)
+        assert len(calls) == 2 * len(layers)
+        for f, p, e in zip(fused, python, exact, strict=True):
+            f, p, e = f[0].float(), p[0].float(), e[0].float()
+            assert not torch.equal(f, e)
+            assert _kl(e, f) <= 1.5 * _kl(e, p) + 0.01, (dtype, _kl(e, f), _kl(e, p))
+            assert torch.equal(f.argmax(-1), p.argmax(-1))
+
+
+def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    """Mean KL(p || q) of the next-token distributions over the positions."""
+    p, q = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
+    return float((p.exp() * (p - q)).sum(-1).mean())

@@ -14,7 +14,9 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include "lowbit_linear.h"
 #include "vec.h"
@@ -31,10 +33,25 @@ inline void store(at::BFloat16* p, const Vec& v) {
   at::vec::convert_from_float<at::BFloat16>(v, v).store(p, kLanes);
 }
 
+// v's lanes (each within int8's range) stored as int8 at q.
+inline void store_int8(int8_t* q, const at::vec::Vectorized<int32_t>& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(v));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i ints = v;
+  const __m128i halves = _mm_packs_epi32(_mm256_castsi256_si128(ints),
+                                         _mm256_extracti128_si256(ints, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(q), _mm_packs_epi16(halves, halves));
+#else
+  int32_t ints[kLanes];
+  v.store(ints);
+  for (int i = 0; i < kLanes; ++i) q[i] = static_cast<int8_t>(ints[i]);
+#endif
+}
+
 template <typename T>
 void quantise_rows(const T* x, int64_t rows, int64_t cols, int8_t* q, float* scales) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    int32_t ints[kLanes];
     float lanes[kLanes];
     for (int64_t r = begin; r < end; ++r) {
       const T* row = x + r * cols;
@@ -51,8 +68,7 @@ void quantise_rows(const T* x, int64_t rows, int64_t cols, int8_t* q, float* sca
       const Vec inv(inverse);
       for (c = 0; c + kLanes <= cols; c += kLanes) {
         // round(): to nearest even, as std::nearbyint in the default rounding mode.
-        at::vec::convert_to_int_of_same_size((load(row + c) * inv).round()).store(ints);
-        for (int i = 0; i < kLanes; ++i) out[c + i] = static_cast<int8_t>(ints[i]);
+        store_int8(out + c, at::vec::convert_to_int_of_same_size((load(row + c) * inv).round()));
       }
       for (; c < cols; ++c)
         out[c] = static_cast<int8_t>(std::nearbyint(static_cast<float>(row[c]) * inverse));
@@ -123,9 +139,266 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return out;
 }
 
+// -- A Llama layer's work around its attention, in int8 arithmetic, in few passes ----------------
+//
+// Done as ATen operators, the work between a layer's four int8 products (the norms, rotary
+// embedding, SiLU, residuals, and the quantising and scaling passes) took a third of the layer's
+// time at 64 rows, about as much as the products of one layer's MLP. Here it is three passes
+// over each row's values while they are in the cache. The roundings to the model's dtype are
+// where the model's forward rounds; the norms' sums of squares are added in another order than
+// ATen's, so results are not equal bit for bit to the operator-by-operator forward (w8a8 is an
+// approximation, judged by its distance from fp32: docs/benchmarks/quality.md).
+
+// v rounded to T and back: where the model's forward stores a T.
+template <typename T>
+inline Vec round_to(const Vec& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v)));
+  }
+}
+
+inline float lanes_sum(const Vec& v) {
+  float lanes[kLanes];
+  v.store(lanes);
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += lanes[i];
+  return s;
+}
+
+inline float lanes_max(const Vec& v) {
+  float lanes[kLanes];
+  v.store(lanes);
+  return *std::max_element(lanes, lanes + kLanes);
+}
+
+// x [cols] quantised into q with the scale of its largest magnitude `amax`; returns the scale
+// (the arithmetic of quantise_rows).
+inline float quantise_floats(const float* x, int64_t cols, float amax, int8_t* q) {
+  const Vec inv(127.f / (amax > 0.f ? amax : 127.f));
+  for (int64_t c = 0; c < cols; c += kLanes)
+    store_int8(q + c, at::vec::convert_to_int_of_same_size((Vec::loadu(x + c) * inv).round()));
+  return amax > 0.f ? amax / 127.f : 1.f;
+}
+
+// LlamaRMSNorm of the row h [cols] with weight w, into x (floats holding T values), quantised
+// into q; returns the row's scale.
+template <typename T>
+float norm_quantise_row(const T* h, const T* w, int64_t cols, float eps, float* x, int8_t* q) {
+  Vec squares(0.f);
+  for (int64_t c = 0; c < cols; c += kLanes) {
+    const Vec v = load(h + c);
+    squares = squares + v * v;
+  }
+  const Vec inv(1.f / std::sqrt(lanes_sum(squares) / static_cast<float>(cols) + eps));
+  Vec top(0.f);
+  for (int64_t c = 0; c < cols; c += kLanes) {
+    const Vec v = round_to<T>(load(w + c) * round_to<T>(load(h + c) * inv));
+    v.store(x + c);
+    top = at::vec::maximum(top, v.abs());
+  }
+  return quantise_floats(x, cols, lanes_max(top), q);
+}
+
+// The int32 sums of a row times its scale and each column's, rounded to T (scale_back's
+// arithmetic), into x.
+template <typename T>
+inline void scale_row(const int32_t* sums, float row_scale, const float* col_scales, int64_t cols,
+                      float* x) {
+  const Vec rs(row_scale);
+  for (int64_t c = 0; c < cols; c += kLanes)
+    round_to<T>(at::vec::convert_to_fp_of_same_size<float>(
+                    at::vec::Vectorized<int32_t>::loadu(sums + c)) * rs * Vec::loadu(col_scales + c))
+        .store(x + c);
+}
+
+template <typename T>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_inputs(
+    const at::Tensor& hidden, const at::Tensor& norm, double eps, const at::Tensor& weight,
+    const at::Tensor& scales, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+    const at::Tensor& cos, const at::Tensor& signed_sin) {
+  const int64_t batch = hidden.size(0), tokens = hidden.size(1), cols = hidden.size(2);
+  const int64_t m = batch * tokens, n = weight.size(1), turned = (q_heads + kv_heads) * head_dim;
+  const at::Tensor h = hidden.contiguous(), w = norm.contiguous();
+  at::Tensor q = at::empty({m, cols}, h.options().dtype(at::kChar));
+  at::Tensor row_scales = at::empty({m}, h.options().dtype(at::kFloat));
+  const T* hp = h.const_data_ptr<T>();
+  const T* wp = w.const_data_ptr<T>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* rsp = row_scales.data_ptr<float>();
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(cols);
+    for (int64_t r = begin; r < end; ++r)
+      rsp[r] = norm_quantise_row(hp + r * cols, wp, cols, static_cast<float>(eps), x.data(),
+                                 qp + r * cols);
+  });
+  const at::Tensor sums = at::_int_mm(q, weight);
+  at::Tensor out = at::empty({m, n}, h.options());
+  // [batch, tokens, head_dim] views of the tables, which broadcast over the batch.
+  const at::Tensor cs = cos.to(h.scalar_type()).expand({batch, 1, tokens, head_dim}).select(1, 0);
+  const at::Tensor sn =
+      signed_sin.to(h.scalar_type()).expand({batch, 1, tokens, head_dim}).select(1, 0);
+  TORCH_CHECK(cs.stride(2) == 1 && sn.stride(2) == 1, "int8 attention inputs: rotary tables "
+              "with contiguous rows expected");
+  const int32_t* sp = sums.const_data_ptr<int32_t>();
+  const float* col = scales.const_data_ptr<float>();
+  T* op = out.data_ptr<T>();
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(n);
+    for (int64_t r = begin; r < end; ++r) {
+      scale_row<T>(sp + r * n, rsp[r], col, n, x.data());
+      const int64_t b = r / tokens, t = r % tokens;
+      const T* c_row = cs.const_data_ptr<T>() + b * cs.stride(0) + t * cs.stride(1);
+      const T* s_row = sn.const_data_ptr<T>() + b * sn.stride(0) + t * sn.stride(1);
+      T* o = op + r * n;
+      // Query and key heads turned: x * cos + roll(x, half) * signed_sin, each product and the
+      // sum rounded to T (llama_layers._rotate); value heads as they are.
+      for (int64_t head = 0; head < turned; head += head_dim)
+        for (int64_t j = 0; j < head_dim; j += kLanes) {
+          const float* rolled = x.data() + head + (j < half ? j + half : j - half);
+          const Vec a = round_to<T>(Vec::loadu(x.data() + head + j) * load(c_row + j));
+          const Vec s = round_to<T>(Vec::loadu(rolled) * load(s_row + j));
+          store(o + head + j, a + s);
+        }
+      for (int64_t c = turned; c < n; c += kLanes) store(o + c, Vec::loadu(x.data() + c));
+    }
+  });
+  const at::Tensor heads = out.view({batch, tokens, -1, head_dim}).transpose(1, 2);
+  return {heads.slice(1, 0, q_heads), heads.slice(1, q_heads, q_heads + kv_heads),
+          heads.slice(1, q_heads + kv_heads)};
+}
+
+// SiLU of g (g / (1 + e^-g)), from e^-|g| so that the exponential cannot overflow.
+inline Vec silu(const Vec& g) {
+  const Vec e = g.abs().neg().exp_u20();
+  const Vec share = g / (Vec(1.f) + e);
+  return Vec::blendv(share, share * e, g < Vec(0.f));
+}
+
+template <typename T>
+at::Tensor attention_output(const at::Tensor& attention, const at::Tensor& residual,
+                            const at::Tensor& o_weight, const at::Tensor& o_scales,
+                            const at::Tensor& norm, double eps, const at::Tensor& gate_up_weight,
+                            const at::Tensor& gate_up_scales, const at::Tensor& down_weight,
+                            const at::Tensor& down_scales) {
+  const int64_t cols = residual.size(-1), m = residual.numel() / cols;
+  const int64_t inner = gate_up_weight.size(1) / 2;
+  const at::Tensor a = attention.reshape({m, -1}).contiguous();
+  const at::Tensor res = residual.contiguous(), w = norm.contiguous();
+  const auto options = res.options();
+  at::Tensor q = at::empty({m, a.size(1)}, options.dtype(at::kChar));
+  at::Tensor row_scales = at::empty({m}, options.dtype(at::kFloat));
+  quantise_rows(a.const_data_ptr<T>(), m, a.size(1), q.data_ptr<int8_t>(),
+                row_scales.data_ptr<float>());
+  const at::Tensor o_sums = at::_int_mm(q, o_weight);
+  // The residual plus the output projection, kept for the layer's last residual; then the
+  // post-attention norm, quantised.
+  at::Tensor hidden = at::empty({m, cols}, options);
+  at::Tensor q_mid = at::empty({m, cols}, options.dtype(at::kChar));
+  at::Tensor mid_scales = at::empty({m}, options.dtype(at::kFloat));
+  {
+    const int32_t* sp = o_sums.const_data_ptr<int32_t>();
+    const float* rsp = row_scales.const_data_ptr<float>();
+    const float* col = o_scales.const_data_ptr<float>();
+    const T* rp = res.const_data_ptr<T>();
+    const T* wp = w.const_data_ptr<T>();
+    T* hp = hidden.data_ptr<T>();
+    int8_t* qp = q_mid.data_ptr<int8_t>();
+    float* msp = mid_scales.data_ptr<float>();
+    at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
+      std::vector<float> x(cols);
+      for (int64_t r = begin; r < end; ++r) {
+        scale_row<T>(sp + r * cols, rsp[r], col, cols, x.data());
+        for (int64_t c = 0; c < cols; c += kLanes)
+          store(hp + r * cols + c, load(rp + r * cols + c) + Vec::loadu(x.data() + c));
+        msp[r] = norm_quantise_row(hp + r * cols, wp, cols, static_cast<float>(eps), x.data(),
+                                   qp + r * cols);
+      }
+    });
+  }
+  const at::Tensor gate_up = at::_int_mm(q_mid, gate_up_weight);
+  // SiLU(gate) * up, each rounded to T (F.silu, then the product), quantised for the down
+  // projection.
+  at::Tensor q_act = at::empty({m, inner}, options.dtype(at::kChar));
+  at::Tensor act_scales = at::empty({m}, options.dtype(at::kFloat));
+  {
+    const int32_t* sp = gate_up.const_data_ptr<int32_t>();
+    const float* rsp = mid_scales.const_data_ptr<float>();
+    const float* col = gate_up_scales.const_data_ptr<float>();
+    int8_t* qp = q_act.data_ptr<int8_t>();
+    float* asp = act_scales.data_ptr<float>();
+    at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
+      std::vector<float> x(2 * inner);
+      for (int64_t r = begin; r < end; ++r) {
+        scale_row<T>(sp + r * 2 * inner, rsp[r], col, 2 * inner, x.data());
+        Vec top(0.f);
+        for (int64_t c = 0; c < inner; c += kLanes) {
+          const Vec v = round_to<T>(round_to<T>(silu(Vec::loadu(x.data() + c))) *
+                                    Vec::loadu(x.data() + inner + c));
+          v.store(x.data() + c);
+          top = at::vec::maximum(top, v.abs());
+        }
+        asp[r] = quantise_floats(x.data(), inner, lanes_max(top), qp + r * inner);
+      }
+    });
+  }
+  const at::Tensor down = at::_int_mm(q_act, down_weight);
+  at::Tensor out = at::empty({m, cols}, options);
+  {
+    const int32_t* sp = down.const_data_ptr<int32_t>();
+    const float* asp = act_scales.const_data_ptr<float>();
+    const float* col = down_scales.const_data_ptr<float>();
+    const T* hp = hidden.const_data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
+      std::vector<float> x(cols);
+      for (int64_t r = begin; r < end; ++r) {
+        scale_row<T>(sp + r * cols, asp[r], col, cols, x.data());
+        for (int64_t c = 0; c < cols; c += kLanes)
+          store(op + r * cols + c, load(hp + r * cols + c) + Vec::loadu(x.data() + c));
+      }
+    });
+  }
+  return out.view(residual.sizes());
+}
+
 }  // namespace
 
 namespace seqgate {
+
+bool int8_layer_fits(const at::Tensor& hidden, int64_t head_dim, const at::Tensor& gate_up) {
+  return hidden.dim() == 3 && (hidden.scalar_type() == at::kFloat ||
+                               hidden.scalar_type() == at::kBFloat16) &&
+         hidden.size(-1) % kLanes == 0 && head_dim % (2 * kLanes) == 0 &&
+         gate_up.size(1) % (2 * kLanes) == 0;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_inputs(
+    const at::Tensor& hidden, const at::Tensor& norm, double eps, const at::Tensor& weight,
+    const at::Tensor& scales, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+    const at::Tensor& cos, const at::Tensor& signed_sin) {
+  if (hidden.scalar_type() == at::kFloat)
+    return attention_inputs<float>(hidden, norm, eps, weight, scales, q_heads, kv_heads,
+                                   head_dim, cos, signed_sin);
+  return attention_inputs<at::BFloat16>(hidden, norm, eps, weight, scales, q_heads, kv_heads,
+                                        head_dim, cos, signed_sin);
+}
+
+at::Tensor int8_attention_output(const at::Tensor& attention, const at::Tensor& residual,
+                                 const at::Tensor& o_weight, const at::Tensor& o_scales,
+                                 const at::Tensor& norm, double eps,
+                                 const at::Tensor& gate_up_weight,
+                                 const at::Tensor& gate_up_scales, const at::Tensor& down_weight,
+                                 const at::Tensor& down_scales) {
+  if (residual.scalar_type() == at::kFloat)
+    return attention_output<float>(attention, residual, o_weight, o_scales, norm, eps,
+                                   gate_up_weight, gate_up_scales, down_weight, down_scales);
+  return attention_output<at::BFloat16>(attention, residual, o_weight, o_scales, norm, eps,
+                                        gate_up_weight, gate_up_scales, down_weight,
+                                        down_scales);
+}
 
 at::Tensor int8_product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                         const std::optional<at::Tensor>& bias) {

@@ -8,7 +8,9 @@
 // interpreter holds one of the cores while the other waits: on 2 cores the Python of a step is
 // serial time. These two functions run the same ATen operators on the
 // same tensors in the same order as the Python forward, so their results are equal bit for bit
-// (tests/engine/test_lowbit.py), and only the calls from Python go away. The KV cache update and
+// (tests/engine/test_lowbit.py), and only the calls from Python go away. Layers in int8 are the
+// exception: their work between the products runs in fused passes (int8_linear.cpp), close to
+// the Python forward but not equal to it (tests/engine/test_w8a8.py). The KV cache update and
 // the attention stay in Python between them: they are the model's and the engine's own.
 //
 // Each linear layer is (kind, q, d, m) as engine.model.lowbit.BlockLinear holds it, or
@@ -52,6 +54,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lean_attention_inputs(
     const at::Tensor& q, const std::optional<at::Tensor>& d, const std::optional<at::Tensor>& m,
     int64_t q_heads, int64_t kv_heads, int64_t head_dim, const at::Tensor& cos,
     const at::Tensor& signed_sin) {
+  if (kind == seqgate::kInt8 && d.has_value() &&
+      seqgate::int8_layer_fits(hidden, head_dim, q))
+    return seqgate::int8_attention_inputs(hidden, norm, eps, q, *d, q_heads, kv_heads, head_dim,
+                                          cos, signed_sin);
   const at::Tensor x = rms_norm(hidden, norm, eps);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(-1);
@@ -73,6 +79,11 @@ at::Tensor lean_attention_output(
     int64_t gate_up_kind, const at::Tensor& gate_up_q, const std::optional<at::Tensor>& gate_up_d,
     const std::optional<at::Tensor>& gate_up_m, int64_t down_kind, const at::Tensor& down_q,
     const std::optional<at::Tensor>& down_d, const std::optional<at::Tensor>& down_m) {
+  if (o_kind == seqgate::kInt8 && gate_up_kind == seqgate::kInt8 &&
+      down_kind == seqgate::kInt8 && o_d.has_value() && gate_up_d.has_value() &&
+      down_d.has_value() && seqgate::int8_layer_fits(residual, 0, gate_up_q))
+    return seqgate::int8_attention_output(attention, residual, o_q, *o_d, norm, eps, gate_up_q,
+                                          *gate_up_d, down_q, *down_d);
   std::vector<int64_t> shape(residual.sizes().begin(), residual.sizes().end() - 1);
   shape.push_back(-1);
   const at::Tensor out = attention.reshape(shape).contiguous();

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <tuple>
 
 namespace seqgate {
 
@@ -25,5 +26,23 @@ at::Tensor block_product(const at::Tensor& x, int64_t kind, const at::Tensor& q,
 // scale per output channel, each row quantised with its own scale -> [rows, out], x's dtype.
 at::Tensor int8_product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                         const std::optional<at::Tensor>& bias);
+
+// A Llama layer's work before and after its attention over int8 weights (kInt8), in few
+// passes (int8_linear.cpp); `int8_layer_fits` says whether the shapes fit them: hidden
+// [rows, tokens, cols], fp32 or bf16, the columns and each half of a head (head_dim; 0 where
+// not asked) whole vectors.
+bool int8_layer_fits(const at::Tensor& hidden, int64_t head_dim, const at::Tensor& gate_up);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_inputs(
+    const at::Tensor& hidden, const at::Tensor& norm, double eps, const at::Tensor& weight,
+    const at::Tensor& scales, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+    const at::Tensor& cos, const at::Tensor& signed_sin);
+
+at::Tensor int8_attention_output(const at::Tensor& attention, const at::Tensor& residual,
+                                 const at::Tensor& o_weight, const at::Tensor& o_scales,
+                                 const at::Tensor& norm, double eps,
+                                 const at::Tensor& gate_up_weight,
+                                 const at::Tensor& gate_up_scales, const at::Tensor& down_weight,
+                                 const at::Tensor& down_scales);
 
 }  // namespace seqgate
