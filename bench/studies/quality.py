@@ -19,7 +19,9 @@ whether the two argmaxes agree, and the variant's negative log-likelihood of the
               count measured on the host); the head exact (engine/model/w8a8.py). FBGEMM's
               product: 7-bit weights.
   w8a8-onednn the same through the native library's product (oneDNN's int8 sums, 8-bit
-              weights), which the engine uses where the CPU has VNNI or AMX;
+              weights), which the engine uses where the CPU has VNNI or AMX, with each
+              layer's work between its products in the library's fused passes, as the engine
+              runs it (engine.model.llama_layers);
   bf16-w8a8   that product on the bf16 model (`--quantize w8a8` on an AVX512-BF16 CPU).
 The fp32 weights of the embedded model are themselves Q4_1/Q8_0 blocks, so the default fp32
 path (which reads those blocks exactly) is the reference itself. Writes
@@ -39,7 +41,7 @@ from bench.provenance import cpu_isa
 from bench.sharegpt import shuffled_exchanges
 from bench.studies.common import base_parser, env_info, load, write_json
 from engine.kernels import native
-from engine.model import w8a8
+from engine.model import llama_layers, w8a8
 from engine.model.blocks import rounded_blocks
 from engine.model.loader import default_cache_dir
 from engine.model.quantize import quantize_model
@@ -79,9 +81,16 @@ def variant(model: torch.nn.Module, name: str) -> torch.nn.Module:
         if name != "w8a8" and ops is None:
             raise RuntimeError(f"{name}: the native kernels do not build here")
         w8a8.install(out, None, ops=ops)
+        if ops is not None:
+            # The engine's path: each layer's work between its int8 products in the native
+            # library's fused passes (engine.model.llama_layers, csrc/int8_linear.cpp).
+            llama_layers.install(out)
         for layer in out.modules():
             if isinstance(layer, w8a8.W8A8Linear):
                 layer.min_rows = 0
+            native_layer = vars(layer).get("_lean_native")
+            for stacked in native_layer.int8 if native_layer is not None else ():
+                stacked.min_rows = 0
         return out
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(VARIANTS)}")
 
