@@ -414,7 +414,23 @@ def _contention(data: dict) -> list[str]:
     if worst["cpu"]["other_cores"] > 0.25:
         line += (" **The machine was not quiet: rerun on an idle machine before trusting "
                  "absolute numbers or ratios.**")
-    return [line, ""]
+    speed = _speed(runs)
+    return [line, *([speed] if speed else []), ""]
+
+
+def _speed(runs: list[dict]) -> str | None:
+    """A line on the machine's speed probes of `runs` (bench/machine_speed.py, before and
+    after each run), or None where no run has them."""
+    probes = [p for r in runs for p in (r.get("machine_speed") or {}).values() if p]
+    if not probes:
+        return None
+    int8 = [p["int8_us"] for p in probes]
+    stream = [p["stream_gbps"] for p in probes]
+    return (f"- The machine's speed probe (bench/machine_speed.py, before and after each run): "
+            f"a fixed int8 product took {min(int8):,.0f}-{max(int8):,.0f} µs "
+            f"({max(int8) / min(int8):.2f}× between the fastest and the slowest), memory "
+            f"streamed {min(stream):.1f}-{max(stream):.1f} GB/s. Cells whose probes are slow "
+            f"ran on a slower machine, whatever the code did.")
 
 
 def write_report(data: dict, doc: Path) -> Path:

@@ -47,7 +47,7 @@ from pathlib import Path
 import httpx
 from transformers import AutoTokenizer
 
-from bench import openvino_peer, provenance
+from bench import machine_speed, openvino_peer, provenance
 from bench.agreement import compare
 from bench.figures import RequestResult, summarize
 from bench.harness import DOCS_DIR, RESULTS_DIR
@@ -203,24 +203,27 @@ class Bench:
             self._warm_up(server)
             info = _get_json(server.base_url + "/version") if spec.kind == "seqgate" else None
             idle_rss = server.rss()
+            speed = {"before": machine_speed.probe()}
             before = scrape(server.base_url) if spec.kind == "seqgate" else None
             with RssSampler(server.pid) as sampler, CpuAccount(server.pid) as cpu:
                 results, wall = run_closed_loop(server.base_url, path,
                                                 for_server(bodies, server.request_model),
                                                 concurrency, self.args.request_timeout)
             after = scrape(server.base_url) if spec.kind == "seqgate" else None
+            speed["after"] = machine_speed.probe()
             peak = server.peak_rss()
             start_s = server.start_seconds
         run = _run_record(tags, spec.label, spec.argv(self.model_dir, 0)[1:], concurrency,
                           results, wall, (peak, idle_rss, sampler.peak), cpu, start_s,
                           engine=engine_activity(before, after) if before is not None else None,
-                          server_info=info)
+                          server_info=info, machine_speed=speed)
         f = run["figures"]
         print(f"  {spec.label:<44} c={concurrency:<3} {f['completed']}/{f['requests']} ok, "
               f"{f['output_tokens_per_s']:7.2f} tok/s, TTFT p50 {_s(f['ttft_p50'])}, "
               f"TPOT p50 {_s(f['tpot_p50'])}, peak RSS {peak / 2**20:,.0f} MiB, "
               f"{f['wall_seconds']:.1f}s (+{start_s:.1f}s start), other CPU load "
-              f"{cpu.other_cores:.2f} cores", flush=True)
+              f"{cpu.other_cores:.2f} cores, probe int8 {speed['before']['int8_us']:.0f}/"
+              f"{speed['after']['int8_us']:.0f} µs", flush=True)
         return run
 
     def measure_openvino(self, spec: ServerSpec, bodies: list[dict], concurrency: int,
@@ -235,14 +238,16 @@ class Bench:
         work = self.logs / spec.label
         with openvino_peer.OpenVINORun(ov_dir, requests, concurrency, work) as driver:
             idle_rss = tree_rss(driver.pid)
+            speed = {"before": machine_speed.probe()}
             with RssSampler(driver.pid) as sampler, CpuAccount(driver.pid) as cpu:
                 out = driver.run()
+            speed["after"] = machine_speed.probe()
             peak = tree_peak_rss(driver.pid)
         results = [RequestResult(**r) for r in out["results"]]
         run = _run_record(tags, spec.label, spec.argv(self.model_dir, 0), concurrency, results,
                           out["wall_seconds"], (peak, idle_rss, sampler.peak), cpu,
                           driver.start_seconds, in_process=True, engine=None,
-                          server_info=None)
+                          server_info=None, machine_speed=speed)
         f = run["figures"]
         print(f"  {spec.label + ' (in-process)':<44} c={concurrency:<3} {f['completed']}/"
               f"{f['requests']} ok, {f['output_tokens_per_s']:7.2f} tok/s, TTFT p50 "
@@ -445,7 +450,9 @@ def main(argv: list[str] | None = None) -> None:
         bench.data["meta"]["finished"] = provenance.now()
         bench.save()
 
-        print(f"wrote {args.out} and {write_report(bench.data, args.doc)}")
+        # From the saved results, which hold no paths of this machine (`portable`).
+        report = write_report(json.loads(args.out.read_text()), args.doc)
+        print(f"wrote {args.out} and {report}")
 
 
 if __name__ == "__main__":

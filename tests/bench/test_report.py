@@ -121,3 +121,36 @@ def test_the_speculative_section_compares_with_the_faster_llamacpp(tmp_path):
               if line.startswith(("| grounded", "| sharegpt")) and "tok/s" not in line]
     assert ["grounded", "1", "seqgate", "llama.cpp-lookup", "0.75"] in ratios  # lookup faster
     assert ["sharegpt", "1", "seqgate", "llama.cpp", "1.2"] in ratios  # plain faster
+
+
+def test_the_machines_speed_probes_are_reported_with_their_spread(tmp_path):
+    """Each run's probes (bench/machine_speed.py, before and after it) become one line: the
+    range of the fixed int8 product's time, and how far apart its ends are."""
+    from bench.report import write_report
+
+    def probes(before: float, after: float) -> dict:
+        return {"before": {"int8_us": before, "bf16_us": 1.0, "stream_gbps": 12.0},
+                "after": {"int8_us": after, "bf16_us": 1.0, "stream_gbps": 10.5}}
+
+    sweep = [_run("seqgate", 32, 0, 1.0, machine_speed=probes(900.0, 910.0)),
+             _run("llama.cpp", 32, 0, 1.0, machine_speed=probes(1550.0, 1575.0))]
+    data = {"meta": _meta(sweep=60.0), "sweep": sweep, "agreement": {}, "cache": [],
+            "splitting": [], "failures": []}
+    text = write_report(data, tmp_path / "benchmarks.md").read_text()
+    assert "a fixed int8 product took 900-1,575 µs (1.75× between" in text
+    assert "memory streamed 10.5-12.0 GB/s" in text
+    older = [_run("seqgate", 32, 0, 1.0)]  # results from before the probe: no line
+    data["sweep"] = older
+    assert "speed probe" not in write_report(data, tmp_path / "old.md").read_text()
+
+
+def test_the_machine_speed_probe_times_its_three_kernels():
+    from bench.machine_speed import probe
+
+    import torch
+
+    threads = torch.get_num_threads()
+    speed = probe(threads=1, seconds=0.02)
+    assert set(speed) == {"int8_us", "bf16_us", "stream_gbps"}
+    assert all(v > 0 for v in speed.values())
+    assert torch.get_num_threads() == threads
