@@ -3,9 +3,10 @@
 On a shared host the same kernels run at different speeds from one minute to the next, with no
 steal time and no other process of ours to show for it (another guest on the cores' sibling
 threads or on the memory bus, or the clock). On the 2-core AVX512 machine of
-docs/benchmarks/speed.md, a fixed int8 product took 0.90 ms for a while and then 1.55-1.6 ms for
-over a minute. So each benchmark run records this probe just before and just after it: a cell
-whose probes are slow ran on a slow machine, whatever the code did.
+docs/benchmarks/speed.md, a fixed int8 product took 0.90 ms for a while and then 1.45-1.6 ms for
+minutes, while the memory pass below ran twice as fast (the guest moved to other cores, it
+seems). So each benchmark run records this probe just before and just after it: a cell whose
+probes are slow ran on a slow machine, whatever the code did.
 
 The probe times, on the benchmark's own threads (`threads`), the median of repeated calls of:
 - `int8_us`: an int8 product (192 × 576 by 576 × 3072, one of SmolLM2's MLP shapes at 192 rows);
