@@ -213,6 +213,16 @@ inline void scale_row(const int32_t* sums, float row_scale, const float* col_sca
         .store(x + c);
 }
 
+// A residual row plus a product's row of int32 sums scaled back (rounded to T, then the sum
+// rounded to T: the model's `residual + linear(x)`), into out; x is scratch of cols floats.
+template <typename T>
+inline void add_scaled_row(const int32_t* sums, float row_scale, const float* col_scales,
+                           int64_t cols, const T* residual, float* x, T* out) {
+  scale_row<T>(sums, row_scale, col_scales, cols, x);
+  for (int64_t c = 0; c < cols; c += kLanes)
+    store(out + c, load(residual + c) + Vec::loadu(x + c));
+}
+
 template <typename T>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_inputs(
     const at::Tensor& hidden, const at::Tensor& norm, double eps, const at::Tensor& weight,
@@ -310,9 +320,8 @@ at::Tensor attention_output(const at::Tensor& attention, const at::Tensor& resid
     at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
       std::vector<float> x(cols);
       for (int64_t r = begin; r < end; ++r) {
-        scale_row<T>(sp + r * cols, rsp[r], col, cols, x.data());
-        for (int64_t c = 0; c < cols; c += kLanes)
-          store(hp + r * cols + c, load(rp + r * cols + c) + Vec::loadu(x.data() + c));
+        add_scaled_row<T>(sp + r * cols, rsp[r], col, cols, rp + r * cols, x.data(),
+                          hp + r * cols);
         msp[r] = norm_quantise_row(hp + r * cols, wp, cols, static_cast<float>(eps), x.data(),
                                    qp + r * cols);
       }
@@ -354,11 +363,9 @@ at::Tensor attention_output(const at::Tensor& attention, const at::Tensor& resid
     T* op = out.data_ptr<T>();
     at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
       std::vector<float> x(cols);
-      for (int64_t r = begin; r < end; ++r) {
-        scale_row<T>(sp + r * cols, asp[r], col, cols, x.data());
-        for (int64_t c = 0; c < cols; c += kLanes)
-          store(op + r * cols + c, load(hp + r * cols + c) + Vec::loadu(x.data() + c));
-      }
+      for (int64_t r = begin; r < end; ++r)
+        add_scaled_row<T>(sp + r * cols, asp[r], col, cols, hp + r * cols, x.data(),
+                          op + r * cols);
     });
   }
   return out.view(residual.sizes());
