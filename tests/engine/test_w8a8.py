@@ -219,7 +219,8 @@ def test_native_int8_layers_stay_as_close_to_the_exact_products_as_the_python_fo
         ops, smollm2: LoadedModel, monkeypatch):
     """Forwards of int8's rows run each layer's work around the attention in the native
     library's fused int8 passes (`csrc/int8_linear.cpp`), which round where the model rounds but
-    sum the norms' squares in another order: on fp32 and bf16 models their next-token
+    sum the norms' squares in another order (and on fp32 may fuse a product and a sum into one
+    rounding): on fp32 and bf16 models their next-token
     distributions are as far from the exact products' as the Python forward's, with the same
     most likely tokens, and int8 ran (the exact products give other logits)."""
     from engine.kernels import native
@@ -262,3 +263,47 @@ def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     """Mean KL(p || q) of the next-token distributions over the positions."""
     p, q = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
     return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("per_row_tables", [True, False])
+def test_fused_int8_halves_match_the_python_halves_over_rows_and_tokens(
+        ops, smollm2: LoadedModel, dtype: str, per_row_tables: bool):
+    """The fused passes over 3 rows of 5 tokens, with rotary tables of each row's own positions
+    or one table broadcast over the rows: query, key, value and the layer's output within a
+    small relative distance of the Python halves' over the same int8 weights, in the same
+    shapes; and the query, key and value are views of one buffer, which only the fused
+    path returns (the operator-by-operator path turns the query and key into a tensor of
+    their own)."""
+    from engine.kernels import native
+    from engine.model import llama_layers
+
+    if not (native.int8_dot_product() and w8a8.int32_sums_exact()):
+        pytest.skip("the native int8 product is chosen only where int8 sums are exact in int32")
+    loaded = copy.copy(smollm2)
+    loaded.model = load_model(EngineConfig(dtype=dtype)).model
+    prepare(loaded, EngineConfig(dtype=dtype, quantize="w8a8"))
+    model = loaded.model
+    layer = model.model.layers[2]
+    lean = vars(layer)["_lean_native"]
+    for w in lean.int8:
+        w.min_rows = 0  # the Python halves in int8 too
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 5, model.config.hidden_size, generator=gen).to(model.dtype)
+    starts = [[0], [7], [20]] if per_row_tables else [[3]]
+    positions = torch.tensor(starts) + torch.arange(5)
+    tables = model.model.rotary_emb(hidden, positions)
+
+    def distance(a: torch.Tensor, b: torch.Tensor) -> float:
+        assert a.shape == b.shape
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    with torch.inference_mode():
+        fused = lean.attention_inputs(layer, hidden, tables, lean.int8_blocks)
+        python = llama_layers._attention_inputs(layer, hidden, tables)
+        assert all(distance(f, p) < 2e-2 for f, p in zip(fused, python, strict=True))
+        assert fused[0].untyped_storage().data_ptr() == fused[2].untyped_storage().data_ptr()
+        assert python[0].untyped_storage().data_ptr() != python[2].untyped_storage().data_ptr()
+        attention = torch.randn(3, 5, *fused[0].shape[1::2], generator=gen).to(model.dtype)
+        out = lean.attention_output(layer, attention, hidden, lean.int8_blocks)
+        assert distance(out, llama_layers._attention_output(layer, attention, hidden)) < 2e-2

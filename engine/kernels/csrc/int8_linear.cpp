@@ -143,11 +143,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 //
 // Done as ATen operators, the work between a layer's four int8 products (the norms, rotary
 // embedding, SiLU, residuals, and the quantising and scaling passes) took a third of the layer's
-// time at 64 rows, about as much as the products of one layer's MLP. Here it is three passes
+// time at 64 rows, about as much as the products of one layer's MLP. Here it is a few passes
 // over each row's values while they are in the cache. The roundings to the model's dtype are
-// where the model's forward rounds; the norms' sums of squares are added in another order than
-// ATen's, so results are not equal bit for bit to the operator-by-operator forward (w8a8 is an
-// approximation, judged by its distance from fp32: docs/benchmarks/quality.md).
+// where the model's forward rounds, but the norms' sums of squares are added in another order
+// than ATen's, and on fp32 models the compiler may fuse a product and a sum into one rounding:
+// results are close to the operator-by-operator forward, not equal to it bit for bit (w8a8 is
+// an approximation, judged by its distance from fp32: docs/benchmarks/speed.md).
 
 // v rounded to T and back: where the model's forward stores a T.
 template <typename T>
@@ -245,12 +246,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_inputs(
   });
   const at::Tensor sums = at::_int_mm(q, weight);
   at::Tensor out = at::empty({m, n}, h.options());
-  // [batch, tokens, head_dim] views of the tables, which broadcast over the batch.
-  const at::Tensor cs = cos.to(h.scalar_type()).expand({batch, 1, tokens, head_dim}).select(1, 0);
-  const at::Tensor sn =
-      signed_sin.to(h.scalar_type()).expand({batch, 1, tokens, head_dim}).select(1, 0);
-  TORCH_CHECK(cs.stride(2) == 1 && sn.stride(2) == 1, "int8 attention inputs: rotary tables "
-              "with contiguous rows expected");
+  // [batch, tokens, head_dim] views of the tables ([rows or 1, 1, tokens, head_dim]), which
+  // broadcast over the batch.
+  const at::Tensor cs = cos.to(h.scalar_type()).contiguous().expand(
+      {batch, 1, tokens, head_dim}).select(1, 0);
+  const at::Tensor sn = signed_sin.to(h.scalar_type()).contiguous().expand(
+      {batch, 1, tokens, head_dim}).select(1, 0);
+  const T* cp = cs.const_data_ptr<T>();
+  const T* snp = sn.const_data_ptr<T>();
   const int32_t* sp = sums.const_data_ptr<int32_t>();
   const float* col = scales.const_data_ptr<float>();
   T* op = out.data_ptr<T>();
@@ -260,8 +263,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_inputs(
     for (int64_t r = begin; r < end; ++r) {
       scale_row<T>(sp + r * n, rsp[r], col, n, x.data());
       const int64_t b = r / tokens, t = r % tokens;
-      const T* c_row = cs.const_data_ptr<T>() + b * cs.stride(0) + t * cs.stride(1);
-      const T* s_row = sn.const_data_ptr<T>() + b * sn.stride(0) + t * sn.stride(1);
+      const T* c_row = cp + b * cs.stride(0) + t * cs.stride(1);
+      const T* s_row = snp + b * sn.stride(0) + t * sn.stride(1);
       T* o = op + r * n;
       // Query and key heads turned: x * cos + roll(x, half) * signed_sin, each product and the
       // sum rounded to T (llama_layers._rotate); value heads as they are.
@@ -280,12 +283,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_inputs(
           heads.slice(1, q_heads + kv_heads)};
 }
 
-// SiLU of g (g / (1 + e^-g)), from e^-|g| so that the exponential cannot overflow.
-inline Vec silu(const Vec& g) {
-  const Vec e = g.abs().neg().exp_u20();
-  const Vec share = g / (Vec(1.f) + e);
-  return Vec::blendv(share, share * e, g < Vec(0.f));
-}
+// SiLU of g as ATen's kernel computes it: g / (1 + e^-g), with the same vectorised exp.
+inline Vec silu(const Vec& g) { return g / (Vec(1.f) + g.neg().exp()); }
 
 template <typename T>
 at::Tensor attention_output(const at::Tensor& attention, const at::Tensor& residual,
@@ -371,21 +370,41 @@ at::Tensor attention_output(const at::Tensor& attention, const at::Tensor& resid
   return out.view(residual.sizes());
 }
 
+// The int8 weights [in, out] and their scales as the passes read them, or an error.
+void check_int8_layer(const at::Tensor& weight, const at::Tensor& scales, int64_t in,
+                      int64_t out) {
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.size(0) == in &&
+                  (out < 0 || weight.size(1) == out),
+              "int8 layer: int8 weights [", in, ", ", out, "] expected, got ", weight.sizes());
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.numel() == weight.size(1),
+              "int8 layer: one fp32 scale per output channel expected");
+}
+
+void check_norm(const at::Tensor& norm, const at::Tensor& hidden) {
+  TORCH_CHECK(norm.numel() == hidden.size(-1) && norm.scalar_type() == hidden.scalar_type(),
+              "int8 layer: a norm weight of the hidden size and dtype expected");
+}
+
 }  // namespace
 
 namespace seqgate {
 
-bool int8_layer_fits(const at::Tensor& hidden, int64_t head_dim, const at::Tensor& gate_up) {
+bool int8_layer_fits(const at::Tensor& hidden, int64_t head_dim, const at::Tensor& weight) {
   return hidden.dim() == 3 && (hidden.scalar_type() == at::kFloat ||
                                hidden.scalar_type() == at::kBFloat16) &&
          hidden.size(-1) % kLanes == 0 && head_dim % (2 * kLanes) == 0 &&
-         gate_up.size(1) % (2 * kLanes) == 0;
+         weight.size(1) % (2 * kLanes) == 0;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_inputs(
     const at::Tensor& hidden, const at::Tensor& norm, double eps, const at::Tensor& weight,
     const at::Tensor& scales, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
     const at::Tensor& cos, const at::Tensor& signed_sin) {
+  check_norm(norm, hidden);
+  check_int8_layer(weight, scales, hidden.size(-1), -1);
+  TORCH_CHECK(weight.size(1) >= (q_heads + kv_heads) * head_dim,
+              "int8 attention inputs: a weight for the query, key and value heads expected");
   if (hidden.scalar_type() == at::kFloat)
     return attention_inputs<float>(hidden, norm, eps, weight, scales, q_heads, kv_heads,
                                    head_dim, cos, signed_sin);
@@ -399,6 +418,14 @@ at::Tensor int8_attention_output(const at::Tensor& attention, const at::Tensor& 
                                  const at::Tensor& gate_up_weight,
                                  const at::Tensor& gate_up_scales, const at::Tensor& down_weight,
                                  const at::Tensor& down_scales) {
+  const int64_t cols = residual.size(-1);
+  check_norm(norm, residual);
+  TORCH_CHECK(attention.numel() % (residual.numel() / cols) == 0 &&
+                  attention.scalar_type() == residual.scalar_type(),
+              "int8 attention output: the attention's rows in the residual's dtype expected");
+  check_int8_layer(o_weight, o_scales, attention.numel() / (residual.numel() / cols), cols);
+  check_int8_layer(gate_up_weight, gate_up_scales, cols, -1);
+  check_int8_layer(down_weight, down_scales, gate_up_weight.size(1) / 2, cols);
   if (residual.scalar_type() == at::kFloat)
     return attention_output<float>(attention, residual, o_weight, o_scales, norm, eps,
                                    gate_up_weight, gate_up_scales, down_weight, down_scales);

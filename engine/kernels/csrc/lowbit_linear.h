@@ -29,9 +29,10 @@ at::Tensor int8_product(const at::Tensor& x, const at::Tensor& weight, const at:
 
 // A Llama layer's work before and after its attention over int8 weights (kInt8), in few
 // passes (int8_linear.cpp); `int8_layer_fits` says whether the shapes fit them: hidden
-// [rows, tokens, cols], fp32 or bf16, the columns and each half of a head (head_dim; 0 where
-// not asked) whole vectors.
-bool int8_layer_fits(const at::Tensor& hidden, int64_t head_dim, const at::Tensor& gate_up);
+// [rows, tokens, cols], fp32 or bf16, and whole vectors in its columns, in each half of a head
+// (head_dim; 0 where not asked) and in each half of `weight`'s outputs (the stacked query, key
+// and value projection, or gate and up).
+bool int8_layer_fits(const at::Tensor& hidden, int64_t head_dim, const at::Tensor& weight);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_inputs(
     const at::Tensor& hidden, const at::Tensor& norm, double eps, const at::Tensor& weight,
