@@ -49,30 +49,39 @@ inline void store_int8(int8_t* q, const at::vec::Vectorized<int32_t>& v) {
 #endif
 }
 
+inline float lanes_max(const Vec& v) {
+  float lanes[kLanes];
+  v.store(lanes);
+  return *std::max_element(lanes, lanes + kLanes);
+}
+
+// row [cols] quantised into out with the scale of its largest magnitude `amax`; returns the
+// scale.
+template <typename T>
+float quantise_row(const T* row, int64_t cols, float amax, int8_t* out) {
+  // An all-zero row quantises to zeros with any scale; 1 keeps the inverse finite.
+  const float inverse = 127.f / (amax > 0.f ? amax : 127.f);
+  const Vec inv(inverse);
+  int64_t c = 0;
+  for (; c + kLanes <= cols; c += kLanes)
+    // round(): to nearest even, as std::nearbyint in the default rounding mode.
+    store_int8(out + c, at::vec::convert_to_int_of_same_size((load(row + c) * inv).round()));
+  for (; c < cols; ++c)
+    out[c] = static_cast<int8_t>(std::nearbyint(static_cast<float>(row[c]) * inverse));
+  return amax > 0.f ? amax / 127.f : 1.f;
+}
+
 template <typename T>
 void quantise_rows(const T* x, int64_t rows, int64_t cols, int8_t* q, float* scales) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    float lanes[kLanes];
     for (int64_t r = begin; r < end; ++r) {
       const T* row = x + r * cols;
       int64_t c = 0;
       Vec top(0.f);
       for (; c + kLanes <= cols; c += kLanes) top = at::vec::maximum(top, load(row + c).abs());
-      top.store(lanes);
-      float amax = *std::max_element(lanes, lanes + kLanes);
+      float amax = lanes_max(top);
       for (; c < cols; ++c) amax = std::max(amax, std::fabs(static_cast<float>(row[c])));
-      // An all-zero row quantises to zeros with any scale; 1 keeps the inverse finite.
-      const float scale = amax > 0.f ? amax / 127.f : 1.f;
-      const float inverse = 127.f / (amax > 0.f ? amax : 127.f);
-      int8_t* out = q + r * cols;
-      const Vec inv(inverse);
-      for (c = 0; c + kLanes <= cols; c += kLanes) {
-        // round(): to nearest even, as std::nearbyint in the default rounding mode.
-        store_int8(out + c, at::vec::convert_to_int_of_same_size((load(row + c) * inv).round()));
-      }
-      for (; c < cols; ++c)
-        out[c] = static_cast<int8_t>(std::nearbyint(static_cast<float>(row[c]) * inverse));
-      scales[r] = scale;
+      scales[r] = quantise_row(row, cols, amax, q + r * cols);
     }
   });
 }
@@ -102,15 +111,23 @@ void scale_back(const int32_t* sums, int64_t rows, int64_t cols, const float* ro
   });
 }
 
+// The int8 weights [in, out] and their scales as the products and passes read them, or an error.
+void check_int8_layer(const at::Tensor& weight, const at::Tensor& scales, int64_t in,
+                      int64_t out) {
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.size(0) == in &&
+                  (out < 0 || weight.size(1) == out),
+              "int8 layer: int8 weights [", in, ", ", out, "] expected, got ", weight.sizes());
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.numel() == weight.size(1),
+              "int8 layer: one fp32 scale per output channel expected");
+}
+
 // x [rows, in] (fp32 or bf16, contiguous) times `weight` [in, out] (int8, each output channel
 // scaled by `scales` [out], fp32), plus `bias` [out] in x's dtype; the result in x's dtype.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                        const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(0),
-              "int8_linear: x [rows, in] and weight [in, out] expected");
-  TORCH_CHECK(weight.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat &&
-                  scales.numel() == weight.size(1) && scales.is_contiguous(),
-              "int8_linear: int8 weights and one fp32 scale per output channel expected");
+  TORCH_CHECK(x.dim() == 2, "int8_linear: x [rows, in] expected");
+  check_int8_layer(weight, scales, x.size(1), -1);
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "int8_linear: fp32 or bf16 rows expected");
   const at::Tensor rows = x.contiguous();
@@ -168,21 +185,6 @@ inline float lanes_sum(const Vec& v) {
   return s;
 }
 
-inline float lanes_max(const Vec& v) {
-  float lanes[kLanes];
-  v.store(lanes);
-  return *std::max_element(lanes, lanes + kLanes);
-}
-
-// x [cols] quantised into q with the scale of its largest magnitude `amax`; returns the scale
-// (the arithmetic of quantise_rows).
-inline float quantise_floats(const float* x, int64_t cols, float amax, int8_t* q) {
-  const Vec inv(127.f / (amax > 0.f ? amax : 127.f));
-  for (int64_t c = 0; c < cols; c += kLanes)
-    store_int8(q + c, at::vec::convert_to_int_of_same_size((Vec::loadu(x + c) * inv).round()));
-  return amax > 0.f ? amax / 127.f : 1.f;
-}
-
 // LlamaRMSNorm of the row h [cols] with weight w, into x (floats holding T values), quantised
 // into q; returns the row's scale.
 template <typename T>
@@ -199,7 +201,7 @@ float norm_quantise_row(const T* h, const T* w, int64_t cols, float eps, float* 
     v.store(x + c);
     top = at::vec::maximum(top, v.abs());
   }
-  return quantise_floats(x, cols, lanes_max(top), q);
+  return quantise_row(x, cols, lanes_max(top), q);
 }
 
 // The int32 sums of a row times its scale and each column's, rounded to T (scale_back's
@@ -348,7 +350,7 @@ at::Tensor attention_output(const at::Tensor& attention, const at::Tensor& resid
           v.store(x.data() + c);
           top = at::vec::maximum(top, v.abs());
         }
-        asp[r] = quantise_floats(x.data(), inner, lanes_max(top), qp + r * inner);
+        asp[r] = quantise_row(x.data(), inner, lanes_max(top), qp + r * inner);
       }
     });
   }
@@ -368,17 +370,6 @@ at::Tensor attention_output(const at::Tensor& attention, const at::Tensor& resid
     });
   }
   return out.view(residual.sizes());
-}
-
-// The int8 weights [in, out] and their scales as the passes read them, or an error.
-void check_int8_layer(const at::Tensor& weight, const at::Tensor& scales, int64_t in,
-                      int64_t out) {
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.size(0) == in &&
-                  (out < 0 || weight.size(1) == out),
-              "int8 layer: int8 weights [", in, ", ", out, "] expected, got ", weight.sizes());
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.numel() == weight.size(1),
-              "int8 layer: one fp32 scale per output channel expected");
 }
 
 void check_norm(const at::Tensor& norm, const at::Tensor& hidden) {
