@@ -330,7 +330,7 @@ def render(data: dict, doc: Path) -> str:
         f"- Machine: {m['cpu']}, vector ISA {' '.join(m.get('isa') or []) or 'unknown'}, "
         f"{m['cores_available']} cores available "
         f"({m['logical_cpus']} logical CPUs), {m['memory_gib']} GiB RAM; 1-minute load "
-        f"average at start {m['load_avg_1m_at_start']}",
+        f"average at start {m['load_avg_1m_at_start']}" + _cap_line(meta.get("isa_cap")),
         f"- Versions: seqgate {v.get('seqgate')} at {sha}, torch {v['torch']}, transformers "
         f"{v['transformers']}, Python {v['python']}",
         f"- Model: SmolLM2-135M-Instruct on the CPU, the same local copy "
@@ -354,8 +354,10 @@ def render(data: dict, doc: Path) -> str:
                 f"{_first_last(f['error'])}" for f in data.get("failures", [])]
     if failures:
         failures = ["## Runs that failed", "", *failures, ""]
-    spec_lines = speculative_section(data.get("speculative") or [],
-                                     " ".join(m.get("isa") or []) or "unknown")
+    isa = " ".join(m.get("isa") or []) or "unknown"
+    if meta.get("isa_cap"):
+        isa += f", capped to {meta['isa_cap']['isa']}"
+    spec_lines = speculative_section(data.get("speculative") or [], isa)
     return "\n".join(head + targets_section(ratios, speedup, split) + sweep_lines + cache_lines
                      + split_lines + spec_lines + agreement_section(data["agreement"]) + failures
                      + scheduler_section(doc) + ["## Notes on the peer", "", PEER_NOTES])
@@ -380,6 +382,15 @@ def _first_last(text: str) -> str:
     """An error's first line and, for a multi-line one (a server log's tail), its last."""
     lines = text.strip().splitlines() or [""]
     return lines[0] + (f" … `{lines[-1].strip()}`" if len(lines) > 1 else "")
+
+
+def _cap_line(cap: dict | None) -> str:
+    """The machine line's note of a capped ISA (bench/isa_cap.py), '' where none was."""
+    if not cap:
+        return ""
+    env = ", ".join(f"`{k}={v}`" for k, v in cap["env"].items())
+    return (f"; **capped to {cap['isa']}** for seqgate and OpenVINO GenAI ({env}), which "
+            "approximates such a machine on this CPU; llama.cpp's server is not capped")
 
 
 def _seqgate_dtype(data: dict) -> str:

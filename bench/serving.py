@@ -47,7 +47,7 @@ from pathlib import Path
 import httpx
 from transformers import AutoTokenizer
 
-from bench import machine_speed, openvino_peer, provenance
+from bench import isa_cap, machine_speed, openvino_peer, provenance
 from bench.agreement import compare
 from bench.figures import RequestResult, summarize
 from bench.harness import DOCS_DIR, RESULTS_DIR
@@ -140,6 +140,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model-dir", type=Path, default=None,
                     help="model directory for all servers (default: seqgate's safetensors "
                          "cache of the embedded SmolLM2)")
+    ap.add_argument("--cap-isa", choices=sorted(isa_cap.CAPS), default=None,
+                    help="cap seqgate and OpenVINO GenAI to this vector ISA (an AVX2 machine "
+                         "approximated on an AVX512 one; bench/isa_cap.py)")
     ap.add_argument("--out", type=Path, default=None, help="raw results JSON")
     ap.add_argument("--doc", type=Path, default=None, help="markdown report (plots beside it)")
     args = ap.parse_args(argv)
@@ -162,6 +165,7 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace, argv: list[str] | None):
         self.args = args
+        cap = isa_cap.apply(args.cap_isa)  # before any server starts or torch computes
         self.model_dir = args.model_dir or local_model_dir()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         config = json.loads((self.model_dir / "config.json").read_text())
@@ -174,6 +178,7 @@ class Bench:
                                finished=False)
         self.data = {"meta": {**meta, "model_dir": str(self.model_dir),
                               "weights_dtype": self.weights_dtype,
+                              "isa_cap": {"isa": args.cap_isa, "env": cap} if cap else None,
                               "args": provenance.jsonable(shown), "phase_seconds": {}},
                      "sweep": [], "agreement": {}, "cache": [], "splitting": [],
                      "speculative": [], "failures": []}

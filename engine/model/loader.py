@@ -90,8 +90,25 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+# oneDNN levels (`ONEDNN_MAX_CPU_ISA`) at or above which it multiplies bf16 in hardware.
+_ONEDNN_BF16_LEVELS = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10", "ALL")
+
+
+def isa_capped_below_bf16() -> bool:
+    """Whether the environment caps PyTorch's kernels below the CPU's bf16 instructions
+    (`ATEN_CPU_CAPABILITY` at avx2 or default, `ONEDNN_MAX_CPU_ISA` below AVX512_CORE_BF16):
+    bf16 is then emulated however the CPU is built."""
+    aten = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    return aten in ("default", "avx2") or bool(
+        onednn and not onednn.startswith(_ONEDNN_BF16_LEVELS))
+
+
 def cpu_has_native_bf16() -> bool:
-    """True when the CPU multiplies bf16 in hardware: AMX tiles or AVX512-BF16."""
+    """True when the CPU multiplies bf16 in hardware (AMX tiles or AVX512-BF16) and the
+    environment lets PyTorch use it."""
+    if isa_capped_below_bf16():
+        return False
     for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
         probe = getattr(torch.cpu, name, None)
         try:

@@ -154,3 +154,37 @@ def test_the_machine_speed_probe_times_its_three_kernels():
     assert set(speed) == {"int8_us", "bf16_us", "stream_gbps"}
     assert all(v > 0 for v in speed.values())
     assert torch.get_num_threads() == threads
+
+
+def test_a_capped_run_says_so_on_the_machine_line_and_beside_the_speculative_figures(
+        tmp_path, monkeypatch):
+    """`--cap-isa avx2` sets each library's cap in the environment the servers inherit, and
+    the report names the cap wherever it names the ISA."""
+    import os
+
+    from bench import isa_cap
+    from bench.report import write_report
+
+    for name in isa_cap.CAPS["avx2"]:  # recorded, so the test's environment comes back
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    env = isa_cap.apply("avx2")
+    assert env["ONEDNN_MAX_CPU_ISA"] == "AVX2" and os.environ["OV_CPU_MAX_ISA"] == "AVX2"
+    assert os.environ["FBGEMM_ENABLE_INSTRUCTIONS"] == "AVX2"
+    assert isa_cap.apply(None) == {}
+    with pytest.raises(ValueError, match="avx512"):
+        isa_cap.apply("avx512")
+
+    meta = _meta(sweep=60.0)
+    meta["machine"]["isa"] = ["avx2", "avx512f", "avx512_bf16"]
+    meta["isa_cap"] = {"isa": "avx2", "env": env}
+    runs = [_run("seqgate", 1, 0, 1.0, workload="sharegpt", phase="speculative"),
+            _run("llama.cpp", 1, 0, 1.0, workload="sharegpt", phase="speculative")]
+    data = {"meta": meta, "sweep": [_run("seqgate", 32, 0, 1.0)], "agreement": {},
+            "cache": [], "splitting": [], "speculative": runs, "failures": []}
+    text = write_report(data, tmp_path / "benchmarks.md").read_text()
+    machine = next(line for line in text.splitlines() if line.startswith("- Machine:"))
+    assert "**capped to avx2**" in machine and "`OV_CPU_MAX_ISA=AVX2`" in machine
+    assert "CPU ISA: avx2 avx512f avx512_bf16, capped to avx2." in text
+    del data["meta"]["isa_cap"]
+    assert "capped to" not in write_report(data, tmp_path / "plain.md").read_text()

@@ -134,3 +134,28 @@ def test_a_model_whose_tokenizer_is_a_tiktoken_file_loads_and_generates(tmp_path
     engine.run_until_idle()
     deltas = list(handle.iter_sync(timeout=0))
     assert sum(len(d.token_ids) for d in deltas) == 4 and deltas[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("env, capped", [
+    ({}, False),
+    ({"ATEN_CPU_CAPABILITY": "avx2"}, True),
+    ({"ATEN_CPU_CAPABILITY": "avx512"}, False),
+    ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, True),
+    ({"ONEDNN_MAX_CPU_ISA": "avx512_core_vnni"}, True),
+    ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, False),
+    ({"ONEDNN_MAX_CPU_ISA": "ALL"}, False),
+])
+def test_auto_dtype_takes_fp32_where_the_environment_caps_pytorch_below_bf16(
+        monkeypatch, env, capped):
+    """An AVX2 machine approximated on an AVX512-BF16 one (ATEN_CPU_CAPABILITY,
+    ONEDNN_MAX_CPU_ISA) must run as that machine would: fp32, bf16 being emulated there."""
+    from engine.model.loader import isa_capped_below_bf16
+
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert isa_capped_below_bf16() is capped
+    if capped:
+        assert not cpu_has_native_bf16()
+        assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
