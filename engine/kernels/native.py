@@ -80,8 +80,8 @@ class Native:
     attention, or None for a call it does not take: then SDPA), `q4_linear(x, q, d, m)`,
     `q8_linear(x, q, d)`, `h16_linear(x, w)` (engine.model.lowbit), `lean_attention_inputs`
     and `lean_attention_output` (engine.model.llama_layers), `int8_linear(x, weight, scales,
-    bias)` (engine.model.w8a8), `instantiated(dtype, head_dim, groups)` and
-    `instruction_set()`."""
+    bias)` and `int8_product()` (which product it multiplies by: engine.model.w8a8),
+    `instantiated(dtype, head_dim, groups)` and `instruction_set()`."""
 
     def __init__(self, library: Path):
         ops = torch.ops.seqgate
@@ -93,6 +93,7 @@ class Native:
         self.lean_attention_inputs = ops.lean_attention_inputs.default
         self.lean_attention_output = ops.lean_attention_output.default
         self.int8_linear = ops.int8_linear.default
+        self.int8_product = ops.int8_product.default
         self.instantiated = ops.instantiated.default
         self.instruction_set = ops.instruction_set.default
 
@@ -101,19 +102,6 @@ class Native:
 # microcode and kernel updates and would only cost rebuilds).
 _ISA = re.compile(r"^(sse|ssse|avx|fma|f16c|bmi|amx|vnni|vaes|vpclmul|gfni|movbe|popcnt|lzcnt|"
                   r"abm|adx|sha|asimd|sve|neon|fp|fphp)")
-
-
-# CPU flags of an instruction that sums int8 products in int32 (AVX512-VNNI, AVX-VNNI, AMX):
-# without one, oneDNN sums pairs of u8 × s8 products in int16, which saturates on 8-bit weights.
-_INT8_DOT = {"avx512_vnni", "avx_vnni", "amx_int8"}
-
-
-def int8_dot_product() -> bool:
-    """Whether this CPU sums int8 products in int32 and oneDNN is allowed to use it
-    (`ONEDNN_MAX_CPU_ISA`, which caps it, names a VNNI or AMX level or is unset)."""
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    allowed = not cap or cap == "ALL" or "VNNI" in cap or "AMX" in cap
-    return allowed and bool(_INT8_DOT & set(_cpu_flags().split()))
 
 
 def _cpu_flags() -> str:

@@ -100,17 +100,16 @@ def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
 
 def _install_w8a8(loaded: LoadedModel, config: EngineConfig, single: bool, fp32: bool,
                   ops: native.Native | None) -> w8a8.W8A8Report:
-    """int8 products through the native library where this CPU sums int8 in int32 (fp32 or
-    bf16 models), else through FBGEMM (fp32 models)."""
+    """int8 products through the native library where its int32 sums are exact (fp32 or bf16
+    models), else through FBGEMM (fp32 models)."""
     if not (single and loaded.device.type == "cpu"):
         log.warning("quantize=w8a8 runs on the CPU without tensor parallelism: ignored")
         return w8a8.W8A8Report()
-    if ops is not None and not (native.int8_dot_product() and w8a8.int32_sums_exact()):
+    if ops is not None and w8a8.native_product(ops) is None:
         ops = None
     if ops is None and not (fp32 and w8a8.available()):
-        log.warning("quantize=w8a8 needs a CPU that sums int8 products in int32 (VNNI or AMX) "
-                    "and the native kernels, or an fp32 model (--dtype fp32) and FBGEMM: "
-                    "ignored")
+        log.warning("quantize=w8a8 needs the native kernels with exact int8 sums, or an fp32 "
+                    "model (--dtype fp32) and FBGEMM: ignored")
         return w8a8.W8A8Report()
     report = w8a8.install(loaded.model, cache_dir(config), native.build_key(), config.threads,
                           ops)

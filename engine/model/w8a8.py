@@ -6,10 +6,13 @@ instruction of a bf16 one (AVX512-VNNI's `vpdpbusd` against `vdpbf16ps`) and fou
 fp32 FMA. Weights have one scale per output channel, activations one per token (row).
 
 Two ways of computing it, chosen on the host:
-- Where the CPU sums int8 products in int32 (VNNI or AMX, `native.int8_dot_product`) and the
-  native library is built: `csrc/int8_linear.cpp` quantises each row with its own scale in one
-  pass, multiplies through oneDNN (`torch._int_mm`) and scales the sums back in another. Weights
-  keep all 8 bits; rows may be fp32 or bf16, so it serves the bf16 default of AVX512-BF16 CPUs.
+- Where the native library is built: `csrc/int8_linear.cpp` quantises each row with its own
+  scale in one pass, sums the products in int32 and scales the sums back in another. The sums
+  come from oneDNN (`torch._int_mm`) where the CPU sums int8 products in int32 (VNNI or AMX);
+  on other x86 CPUs (AVX2) from the library's own product, which widens both sides to int16
+  and sums pairs of products in int32 (`vpmaddwd`), since oneDNN's u8 × s8 pairs in int16 would
+  saturate on 8-bit weights. Weights keep all 8 bits; rows may be fp32 or bf16, so it serves
+  the bf16 default of AVX512-BF16 CPUs.
 - Else FBGEMM's dynamic product (`quantized::linear_dynamic`), fp32 rows only, with 7-bit weights
   (`quantize_weight` says why). FBGEMM quantises its input with one scale for the whole tensor,
   taken from its min and max; a row with large values would then take the resolution of every
@@ -74,6 +77,13 @@ def int32_sums_exact() -> bool:
     b[:, 1::2] = -127
     want = (a.double() @ b.double()).to(torch.int32)  # at most 64 × 127²: exact in a double
     return torch.equal(torch._int_mm(a, b), want)
+
+
+def native_product(ops) -> str | None:
+    """The native library's int8 product here (`ops.int8_product()`: "onednn", "int16" or
+    "aten"), or None where its int32 sums would not be exact (ATen's `_int_mm` saturating)."""
+    product = ops.int8_product()
+    return product if product == "int16" or int32_sums_exact() else None
 
 
 def quantize_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -157,7 +167,7 @@ class W8A8Report:
     layers: int = 0
     min_rows: int = 0
     timings: dict | None = None
-    product: str = ""  # "onednn" (the native library's) or "fbgemm"
+    product: str = ""  # the native library's (`native_product`) or "fbgemm"
 
 
 def install(model: torch.nn.Module, cache: Path | None, build_key: str = "",
@@ -187,7 +197,8 @@ def install(model: torch.nn.Module, cache: Path | None, build_key: str = "",
     for parent, name, layer in made:
         layer.min_rows = min_rows
         setattr(parent, name, layer)
-    return W8A8Report(len(layers), min_rows, timings, "fbgemm" if ops is None else "onednn")
+    return W8A8Report(len(layers), min_rows, timings,
+                      "fbgemm" if ops is None else ops.int8_product())
 
 
 def _min_rows(layers: list[W8A8Linear], cache: Path | None,

@@ -19,6 +19,7 @@ import torch
 from engine import EngineConfig, LoadedModel, SamplingParams, load_model
 from engine.kernels import native
 from engine.model import w8a8
+from engine.model.loader import default_cache_dir
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -118,9 +119,9 @@ def test_default_path_next_tokens_match_fp32(dtype, quantize, smollm2, fp32_refe
         pytest.skip("dtype=auto is bf16 on this host: the bf16 case covers it")
     if quantize == "w8a8" and not w8a8.available():
         pytest.skip("no FBGEMM in this PyTorch build")
-    if (quantize, dtype) == ("w8a8", "bf16") and not (
-            native.instruction_set() and native.int8_dot_product() and w8a8.int32_sums_exact()):
-        pytest.skip("bf16 w8a8 needs the native kernels and int8 sums in int32 (VNNI or AMX)")
+    ops = native.kernels(default_cache_dir()) if native.instruction_set() else None
+    if (quantize, dtype) == ("w8a8", "bf16") and (ops is None or w8a8.native_product(ops) is None):
+        pytest.skip("bf16 w8a8 needs the native kernels with exact int8 sums")
     assert loaded.model is not smollm2.model  # the engine works on its own copy
     attention = smollm2.model.config._attn_implementation
     eng = make_engine(loaded, dtype=dtype, quantize=quantize)

@@ -180,25 +180,70 @@ def test_bf16_rows_below_min_rows_take_the_exact_path(ops):
     assert torch.equal(int8(x), int8.int8_forward(x))
 
 
-def test_int_mm_sums_are_exact_where_the_cpu_has_an_int8_dot_product():
-    from engine.kernels import native
-
-    if not native.int8_dot_product():
+def test_int_mm_sums_are_exact_where_the_library_multiplies_through_onednn(ops):
+    if ops.int8_product() != "onednn":
         pytest.skip("no VNNI or AMX here (or oneDNN capped below it)")
     assert w8a8.int32_sums_exact()
 
 
+_WIDENED = """
+import json, sys, torch
+from pathlib import Path
+from engine.kernels import native
+ops = native.kernels(Path(sys.argv[1]))
+torch.manual_seed(0)
+out = {"product": ops.int8_product(), "cases": []}
+# Odd inputs (a last pair of one), columns past whole panels of 16, rows past blocks of 6, and
+# every value at +-127 where u8 x s8 pairs summed in int16 would saturate.
+for rows, cols_in, cols_out, extreme in ((1, 7, 5, False), (7, 33, 40, False),
+                                         (13, 64, 48, True), (64, 576, 200, False)):
+    if extreme:
+        x = torch.ones(rows, cols_in); x[1::2] = -1
+        w = torch.ones(cols_out, cols_in); w[:, 1::2] = -1
+    else:
+        x, w = torch.randn(rows, cols_in), torch.randn(cols_out, cols_in)
+    scales = (w.abs().amax(1) / 127).clamp(min=1e-30)
+    q = torch.round(w / scales[:, None]).to(torch.int8)
+    got = ops.int8_linear(x, q.t().contiguous(), scales, None)
+    row = x.abs().amax(1, keepdim=True) / 127
+    xq = torch.round(x / row).clamp(-127, 127)
+    want = (xq.double() @ q.double().t()) * row.double() * scales.double()
+    out["cases"].append(float((got.double() - want).abs().max() / want.abs().max()))
+print(json.dumps(out))
+"""
+
+
+def test_the_widened_int8_product_sums_exactly_where_onednn_would_saturate(tmp_path):
+    """With oneDNN capped to AVX2 (as on an AVX2-only CPU) the library multiplies through its
+    own int16 product: its sums are exact on odd shapes and at +-127 everywhere, where oneDNN's
+    u8 x s8 pairs would saturate (checked by `int32_sums_exact` under the same cap)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from engine.kernels import native
+    from engine.model.loader import default_cache_dir
+
+    if native.instruction_set() not in ("avx2", "avx512"):
+        pytest.skip("the widened product is built for x86 (AVX2 and later)")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    run = subprocess.run([sys.executable, "-c", _WIDENED, str(default_cache_dir())], env=env,
+                         capture_output=True, text=True, timeout=600, check=True)
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["product"] == "int16"
+    assert max(result["cases"]) < 1e-6, result
+
+
 def test_prepare_puts_a_bf16_model_on_the_native_int8_product_under_native_layers(
         ops, smollm2: LoadedModel):
-    from engine.kernels import native
-
-    if not (native.int8_dot_product() and w8a8.int32_sums_exact()):
+    if w8a8.native_product(ops) is None:
         pytest.skip("the native int8 product is chosen only where int8 sums are exact in int32")
     loaded = copy.copy(smollm2)
     loaded.model = load_model(EngineConfig(dtype="bf16")).model
     prepared = prepare(loaded, EngineConfig(dtype="bf16", quantize="w8a8"))
     layers = loaded.model.config.num_hidden_layers
-    assert (prepared.w8a8.layers, prepared.w8a8.product) == (7 * layers, "onednn")
+    assert (prepared.w8a8.layers, prepared.w8a8.product) == (7 * layers, ops.int8_product())
     assert prepared.lowbit.max_rows > 0  # rows below int8's stay on the exact blocks
     layer = loaded.model.model.layers[0]
     stacked, lean = vars(layer)["_lean_stacked"], vars(layer)["_lean_native"]
@@ -223,10 +268,9 @@ def test_native_int8_layers_stay_as_close_to_the_exact_products_as_the_python_fo
     rounding): on fp32 and bf16 models their next-token
     distributions are as far from the exact products' as the Python forward's, with the same
     most likely tokens, and int8 ran (the exact products give other logits)."""
-    from engine.kernels import native
     from engine.model import llama_layers
 
-    if not (native.int8_dot_product() and w8a8.int32_sums_exact()):
+    if w8a8.native_product(ops) is None:
         pytest.skip("the native int8 product is chosen only where int8 sums are exact in int32")
     calls = []
     native_output = llama_layers._Native.attention_output
@@ -275,10 +319,9 @@ def test_fused_int8_halves_match_the_python_halves_over_rows_and_tokens(
     shapes; and the query, key and value are views of one buffer, which only the fused
     path returns (the operator-by-operator path turns the query and key into a tensor of
     their own)."""
-    from engine.kernels import native
     from engine.model import llama_layers
 
-    if not (native.int8_dot_product() and w8a8.int32_sums_exact()):
+    if w8a8.native_product(ops) is None:
         pytest.skip("the native int8 product is chosen only where int8 sums are exact in int32")
     loaded = copy.copy(smollm2)
     loaded.model = load_model(EngineConfig(dtype=dtype)).model

@@ -11,9 +11,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -122,6 +126,146 @@ void check_int8_layer(const at::Tensor& weight, const at::Tensor& scales, int64_
               "int8 layer: one fp32 scale per output channel expected");
 }
 
+// -- int32 sums of int8 products where oneDNN's would saturate ------------------------------------
+//
+// Without an instruction that sums int8 products into int32 (AVX512-VNNI, AVX-VNNI, AMX), oneDNN
+// sums pairs of u8 × s8 products in int16 (vpmaddubsw), which saturates on 8-bit weights. This
+// product widens both sides to int16 and sums each pair of products into an int32 (vpmaddwd):
+// exact, and as many multiply-adds per instruction as the int16 path, twice fp32's FMA.
+
+// Whether oneDNN sums int8 products in int32 here: the CPU has such an instruction and
+// ONEDNN_MAX_CPU_ISA (which caps oneDNN) is unset or names a VNNI or AMX level.
+bool onednn_sums_exactly() {
+  static const bool exact = [] {
+    std::string cap;
+    if (const char* env = std::getenv("ONEDNN_MAX_CPU_ISA"))
+      for (const char* c = env; *c; ++c) cap += static_cast<char>(std::toupper(*c));
+    const bool allowed = cap.empty() || cap == "ALL" || cap.find("VNNI") != std::string::npos ||
+                         cap.find("AMX") != std::string::npos;
+#if defined(__x86_64__)
+    return allowed && (__builtin_cpu_supports("avx512vnni") || __builtin_cpu_supports("avxvnni"));
+#else
+    return allowed;
+#endif
+  }();
+  return exact;
+}
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+constexpr int kBlockRows = 6;      // 12 accumulators, two weight vectors and a broadcast
+constexpr int64_t kPanel = 16;     // output columns per panel: two vectors of 8 int32
+
+// c[rows, cols of the panel] = a (int16, pairs of elements) times the panel (per pair of inputs:
+// 16 columns × 2 int16, the first 8 columns' pairs then the last 8's).
+template <int R>
+void panel_block(const int16_t* a, int64_t lda, const __m256i* panel, int64_t pairs, int32_t* c,
+                 int64_t ldc, int64_t cols) {
+  __m256i acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m256i b0 = _mm256_load_si256(panel + 2 * p);
+    const __m256i b1 = _mm256_load_si256(panel + 2 * p + 1);
+    for (int i = 0; i < R; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, a + i * lda + 2 * p, sizeof(pair));
+      const __m256i av = _mm256_set1_epi32(pair);
+      acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(av, b0));
+      acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(av, b1));
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    if (cols == kPanel) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * ldc), acc[i][0]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * ldc + 8), acc[i][1]);
+    } else {
+      alignas(32) int32_t tail[kPanel];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(tail), acc[i][0]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(tail + 8), acc[i][1]);
+      std::memcpy(c + i * ldc, tail, cols * sizeof(int32_t));
+    }
+  }
+}
+
+// The panel of columns [n0, n0 + cols) of `w` [in, out] widened to int16 pairs (inputs 2p and
+// 2p + 1 side by side per column; a missing last input and missing columns are zeros).
+void widen_panel(const int8_t* w, int64_t in, int64_t out, int64_t n0, int64_t cols,
+                 __m256i* panel) {
+  alignas(16) int8_t row0[kPanel], row1[kPanel];
+  for (int64_t p = 0; 2 * p < in; ++p) {
+    const int8_t* r0 = w + 2 * p * out + n0;
+    const int8_t* r1 = 2 * p + 1 < in ? r0 + out : nullptr;
+    __m128i x0, x1;
+    if (cols == kPanel) {
+      x0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r0));
+      x1 = r1 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(r1)) : _mm_setzero_si128();
+    } else {
+      std::memset(row0, 0, kPanel);
+      std::memset(row1, 0, kPanel);
+      std::memcpy(row0, r0, cols);
+      if (r1) std::memcpy(row1, r1, cols);
+      x0 = _mm_load_si128(reinterpret_cast<const __m128i*>(row0));
+      x1 = _mm_load_si128(reinterpret_cast<const __m128i*>(row1));
+    }
+    panel[2 * p] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x0, x1));
+    panel[2 * p + 1] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(x0, x1));
+  }
+}
+
+// a [rows, in] times w [in, out], int8, summed exactly in int32.
+at::Tensor widened_mm(const at::Tensor& a, const at::Tensor& w) {
+  const int64_t rows = a.size(0), in = a.size(1), out = w.size(1);
+  const int64_t pairs = (in + 1) / 2, lda = 2 * pairs;
+  const at::Tensor ac = a.contiguous(), wc = w.contiguous();
+  at::Tensor sums = at::empty({rows, out}, a.options().dtype(at::kInt));
+  std::vector<int16_t> a16(rows * lda, 0);
+  const int8_t* ap = ac.const_data_ptr<int8_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < in; ++i) a16[r * lda + i] = ap[r * in + i];
+  const int8_t* wp = wc.const_data_ptr<int8_t>();
+  int32_t* cp = sums.data_ptr<int32_t>();
+  const int64_t panels = (out + kPanel - 1) / kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m256i> panel(2 * pairs);  // 32-byte aligned: C++17's aligned new
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t n0 = j * kPanel, cols = std::min(kPanel, out - n0);
+      widen_panel(wp, in, out, n0, cols, panel.data());
+      for (int64_t r0 = 0; r0 < rows; r0 += kBlockRows) {
+        const int16_t* arow = a16.data() + r0 * lda;
+        int32_t* crow = cp + r0 * out + n0;
+        switch (std::min<int64_t>(kBlockRows, rows - r0)) {
+          case 6: panel_block<6>(arow, lda, panel.data(), pairs, crow, out, cols); break;
+          case 5: panel_block<5>(arow, lda, panel.data(), pairs, crow, out, cols); break;
+          case 4: panel_block<4>(arow, lda, panel.data(), pairs, crow, out, cols); break;
+          case 3: panel_block<3>(arow, lda, panel.data(), pairs, crow, out, cols); break;
+          case 2: panel_block<2>(arow, lda, panel.data(), pairs, crow, out, cols); break;
+          default: panel_block<1>(arow, lda, panel.data(), pairs, crow, out, cols); break;
+        }
+      }
+    }
+  });
+  return sums;
+}
+#endif
+
+// a [rows, in] times w [in, out], int8, summed in int32: oneDNN's where it sums exactly, else
+// the widened product.
+at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& w) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  if (!onednn_sums_exactly()) return widened_mm(a, w);
+#endif
+  return at::_int_mm(a, w);
+}
+
+// Which product int8_mm takes here: "onednn" (VNNI or AMX), "int16" (the widened one), or
+// "aten" (ATen's `_int_mm` on other CPUs, whose exactness the caller checks).
+std::string int8_product() {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  return onednn_sums_exactly() ? "onednn" : "int16";
+#else
+  return "aten";
+#endif
+}
+
 // x [rows, in] (fp32 or bf16, contiguous) times `weight` [in, out] (int8, each output channel
 // scaled by `scales` [out], fp32), plus `bias` [out] in x's dtype; the result in x's dtype.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
@@ -144,7 +288,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
     using T = std::remove_pointer_t<decltype(rows_of_type)>;
     quantise_rows(rows.const_data_ptr<T>(), m, k, q.data_ptr<int8_t>(),
                   row_scales.data_ptr<float>());
-    const at::Tensor sums = at::_int_mm(q, weight);
+    const at::Tensor sums = int8_mm(q, weight);
     scale_back(sums.const_data_ptr<int32_t>(), m, n, row_scales.const_data_ptr<float>(),
                scales.const_data_ptr<float>(), b ? b->const_data_ptr<T>() : nullptr,
                out.data_ptr<T>());
@@ -246,7 +390,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_inputs(
       rsp[r] = norm_quantise_row(hp + r * cols, wp, cols, static_cast<float>(eps), x.data(),
                                  qp + r * cols);
   });
-  const at::Tensor sums = at::_int_mm(q, weight);
+  const at::Tensor sums = int8_mm(q, weight);
   at::Tensor out = at::empty({m, n}, h.options());
   // [batch, tokens, head_dim] views of the tables ([rows or 1, 1, tokens, head_dim]), which
   // broadcast over the batch.
@@ -303,7 +447,7 @@ at::Tensor attention_output(const at::Tensor& attention, const at::Tensor& resid
   at::Tensor row_scales = at::empty({m}, options.dtype(at::kFloat));
   quantise_rows(a.const_data_ptr<T>(), m, a.size(1), q.data_ptr<int8_t>(),
                 row_scales.data_ptr<float>());
-  const at::Tensor o_sums = at::_int_mm(q, o_weight);
+  const at::Tensor o_sums = int8_mm(q, o_weight);
   // The residual plus the output projection, kept for the layer's last residual; then the
   // post-attention norm, quantised.
   at::Tensor hidden = at::empty({m, cols}, options);
@@ -328,7 +472,7 @@ at::Tensor attention_output(const at::Tensor& attention, const at::Tensor& resid
       }
     });
   }
-  const at::Tensor gate_up = at::_int_mm(q_mid, gate_up_weight);
+  const at::Tensor gate_up = int8_mm(q_mid, gate_up_weight);
   // SiLU(gate) * up, each rounded to T (F.silu, then the product), quantised for the down
   // projection.
   at::Tensor q_act = at::empty({m, inner}, options.dtype(at::kChar));
@@ -354,7 +498,7 @@ at::Tensor attention_output(const at::Tensor& attention, const at::Tensor& resid
       }
     });
   }
-  const at::Tensor down = at::_int_mm(q_act, down_weight);
+  const at::Tensor down = int8_mm(q_act, down_weight);
   at::Tensor out = at::empty({m, cols}, options);
   {
     const int32_t* sp = down.const_data_ptr<int32_t>();
@@ -434,6 +578,7 @@ at::Tensor int8_product(const at::Tensor& x, const at::Tensor& weight, const at:
 
 TORCH_LIBRARY_FRAGMENT(seqgate, m) {
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("int8_product() -> str", &int8_product);
 }
 
 TORCH_LIBRARY_IMPL(seqgate, CPU, m) { m.impl("int8_linear", &int8_linear); }
