@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from bench import isa_cap
 from bench.harness import RESULTS_DIR
 from bench.harness import write_json as _write
 from engine import Engine, EngineConfig, LoadedModel, SamplingParams, StepStats, load_model
@@ -75,6 +76,9 @@ def env_info(loaded: LoadedModel, threads: int) -> dict:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        # The ISA caps in force (bench/isa_cap.py: a lower ISA approximated on this CPU).
+        "isa_caps": {name: os.environ[name] for cap in isa_cap.CAPS.values() for name in cap
+                     if name in os.environ},
     }
 
 

@@ -18,10 +18,11 @@ whether the two argmaxes agree, and the variant's negative log-likelihood of the
               activations (per token) on every forward (the engine uses it only from a row
               count measured on the host); the head exact (engine/model/w8a8.py). FBGEMM's
               product: 7-bit weights.
-  w8a8-onednn the same through the native library's product (oneDNN's int8 sums, 8-bit
-              weights), which the engine uses where the CPU has VNNI or AMX, with each
-              layer's work between its products in the library's fused passes, as the engine
-              runs it (engine.model.llama_layers);
+  w8a8-native the same through the native library's product (8-bit weights; oneDNN's int8
+              sums on VNNI or AMX, its own int16 pairs elsewhere on x86), which the engine
+              uses wherever the library builds, with each layer's work between its products in
+              the library's fused passes, as the engine runs it (engine.model.llama_layers);
+              `w8a8-onednn` is its older name;
   bf16-w8a8   that product on the bf16 model (`--quantize w8a8` on an AVX512-BF16 CPU).
 The fp32 weights of the embedded model are themselves Q4_1/Q8_0 blocks, so the default fp32
 path (which reads those blocks exactly) is the reference itself. Writes
@@ -46,7 +47,7 @@ from engine.model.blocks import rounded_blocks
 from engine.model.loader import default_cache_dir
 from engine.model.quantize import quantize_model
 
-VARIANTS = ("bf16", "int4", "int8", "torch-int4", "w8a8", "w8a8-onednn", "bf16-w8a8")
+VARIANTS = ("bf16", "int4", "int8", "torch-int4", "w8a8", "w8a8-native", "bf16-w8a8")
 
 
 def _rounded(model: torch.nn.Module, layers: str) -> torch.nn.Module:
@@ -73,7 +74,9 @@ def variant(model: torch.nn.Module, name: str) -> torch.nn.Module:
         out = copy.deepcopy(model)
         quantize_model(out, "int4")
         return out
-    if name in ("w8a8", "w8a8-onednn", "bf16-w8a8"):
+    if name == "w8a8-onednn":
+        name = "w8a8-native"
+    if name in ("w8a8", "w8a8-native", "bf16-w8a8"):
         out = copy.deepcopy(model)
         if name == "bf16-w8a8":
             out = out.to(torch.bfloat16)

@@ -145,9 +145,9 @@ def test_the_machines_speed_probes_are_reported_with_their_spread(tmp_path):
 
 
 def test_the_machine_speed_probe_times_its_three_kernels():
-    from bench.machine_speed import probe
-
     import torch
+
+    from bench.machine_speed import probe
 
     threads = torch.get_num_threads()
     speed = probe(threads=1, seconds=0.02)
