@@ -288,8 +288,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("quantize", "engine", _choice(*QUANTIZE_MODES), ("option.quantize",),
            "--quantize",
            "quantisation on the CPU: none | int8 | int4 (weight-only) | w8a8 (int8 weights and "
-           "activations for forwards of many rows; bf16 or fp32 on CPUs with VNNI or AMX, "
-           "fp32 elsewhere on x86)"),
+           "activations for forwards of many rows; bf16 or fp32 models with the native "
+           "kernels, fp32 through FBGEMM without them)"),
     Option("linear_kernel", "engine", _choice(*LINEAR_KERNELS), ("option.linear_kernel",),
            "--linear-kernel",
            "fp32 CPU models: auto (seqgate's 4/8-bit block kernels for forwards of few rows, "

@@ -390,7 +390,8 @@ def _cap_line(cap: dict | None) -> str:
         return ""
     env = ", ".join(f"`{k}={v}`" for k, v in cap["env"].items())
     return (f"; **capped to {cap['isa']}** for seqgate and OpenVINO GenAI ({env}), which "
-            "approximates such a machine on this CPU; llama.cpp's server is not capped")
+            "approximates such a machine on this CPU; llama.cpp's server is not capped, and "
+            "the speed probe runs under the cap")
 
 
 def _seqgate_dtype(data: dict) -> str:

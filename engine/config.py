@@ -104,7 +104,7 @@ class EngineConfig:
     # Quantisation on the CPU: none | int8 | int4 weight-only (fp32 models:
     # engine/model/lowbit.py; bf16 ones: engine/model/quantize.py) | w8a8, int8 weights and
     # activations for forwards of many rows (engine/model/w8a8.py: bf16 or fp32 models where
-    # the CPU has VNNI or AMX, fp32 ones elsewhere on x86).
+    # the native library builds, fp32 ones through FBGEMM where it does not).
     quantize: str = "none"
     # Linear layers of CPU models: auto multiplies forwards of few rows through seqgate's
     # 4/8-bit block kernels (engine/model/lowbit.py) where the weights are exact blocks (in

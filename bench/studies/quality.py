@@ -20,9 +20,9 @@ whether the two argmaxes agree, and the variant's negative log-likelihood of the
               product: 7-bit weights.
   w8a8-native the same through the native library's product (8-bit weights; oneDNN's int8
               sums on VNNI or AMX, its own int16 pairs elsewhere on x86), which the engine
-              uses wherever the library builds, with each layer's work between its products in
-              the library's fused passes, as the engine runs it (engine.model.llama_layers);
-              `w8a8-onednn` is its older name;
+              uses wherever the library has an exact one, with each layer's work between its
+              products in the library's fused passes, as the engine runs it
+              (engine.model.llama_layers); `w8a8-onednn` is its older name;
   bf16-w8a8   that product on the bf16 model (`--quantize w8a8` on an AVX512-BF16 CPU).
 The fp32 weights of the embedded model are themselves Q4_1/Q8_0 blocks, so the default fp32
 path (which reads those blocks exactly) is the reference itself. Writes
@@ -74,15 +74,13 @@ def variant(model: torch.nn.Module, name: str) -> torch.nn.Module:
         out = copy.deepcopy(model)
         quantize_model(out, "int4")
         return out
-    if name == "w8a8-onednn":
-        name = "w8a8-native"
     if name in ("w8a8", "w8a8-native", "bf16-w8a8"):
         out = copy.deepcopy(model)
         if name == "bf16-w8a8":
             out = out.to(torch.bfloat16)
         ops = None if name == "w8a8" else native.kernels(default_cache_dir())
-        if name != "w8a8" and ops is None:
-            raise RuntimeError(f"{name}: the native kernels do not build here")
+        if name != "w8a8" and (ops is None or w8a8.native_product(ops) is None):
+            raise RuntimeError(f"{name}: the native kernels have no exact int8 product here")
         w8a8.install(out, None, ops=ops)
         if ops is not None:
             # The engine's path: each layer's work between its int8 products in the native
@@ -133,7 +131,7 @@ def main() -> None:
     reference = loaded.model.eval()
     seqs = sequences(loaded.tokenizer, args.num_answers, args.seed, args.max_prompt,
                      args.max_answer)
-    names = args.variants.split(",")
+    names = ["w8a8-native" if n == "w8a8-onednn" else n for n in args.variants.split(",")]
     models = {name: variant(reference, name).eval() for name in names}
     sums = {name: {"kl": 0.0, "nll": 0.0, "agree": 0, "seconds": 0.0} for name in ["fp32", *names]}
     positions = 0

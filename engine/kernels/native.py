@@ -20,7 +20,7 @@ builds the AVX2 kernel on an AVX512 CPU (to test that path there); naming one th
 leaves attention to SDPA and linear layers to PyTorch. The library registers
 `torch.ops.seqgate.decode_attention`, `q4_linear`, `q8_linear`, `h16_linear`,
 `lean_attention_inputs`, `lean_attention_output`, `int8_linear` (and `instantiated`,
-`instruction_set`); one build of it can be loaded per process.
+`instruction_set`, `int8_product_kind`); one build of it can be loaded per process.
 
 It is built with torch's own extension builder (`torch.utils.cpp_extension`, ninja and the
 system's C++ compiler) into the cache directory under a name keyed by its source, the flags,
@@ -80,7 +80,7 @@ class Native:
     attention, or None for a call it does not take: then SDPA), `q4_linear(x, q, d, m)`,
     `q8_linear(x, q, d)`, `h16_linear(x, w)` (engine.model.lowbit), `lean_attention_inputs`
     and `lean_attention_output` (engine.model.llama_layers), `int8_linear(x, weight, scales,
-    bias)` and `int8_product()` (which product it multiplies by: engine.model.w8a8),
+    bias)` and `int8_product_kind()` (which product it multiplies by: engine.model.w8a8),
     `instantiated(dtype, head_dim, groups)` and `instruction_set()`."""
 
     def __init__(self, library: Path):
@@ -93,7 +93,7 @@ class Native:
         self.lean_attention_inputs = ops.lean_attention_inputs.default
         self.lean_attention_output = ops.lean_attention_output.default
         self.int8_linear = ops.int8_linear.default
-        self.int8_product = ops.int8_product.default
+        self.int8_product_kind = ops.int8_product_kind.default
         self.instantiated = ops.instantiated.default
         self.instruction_set = ops.instruction_set.default
 

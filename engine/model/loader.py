@@ -99,7 +99,8 @@ def isa_capped_below_bf16() -> bool:
     (`ATEN_CPU_CAPABILITY` at avx2 or default, `ONEDNN_MAX_CPU_ISA` below AVX512_CORE_BF16):
     bf16 is then emulated however the CPU is built."""
     aten = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
-    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    onednn = (os.environ.get("ONEDNN_MAX_CPU_ISA")
+              or os.environ.get("DNNL_MAX_CPU_ISA", "")).upper()
     return aten in ("default", "avx2") or bool(
         onednn and not onednn.startswith(_ONEDNN_BF16_LEVELS))
 

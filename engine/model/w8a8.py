@@ -80,10 +80,11 @@ def int32_sums_exact() -> bool:
 
 
 def native_product(ops) -> str | None:
-    """The native library's int8 product here (`ops.int8_product()`: "onednn", "int16" or
-    "aten"), or None where its int32 sums would not be exact (ATen's `_int_mm` saturating)."""
-    product = ops.int8_product()
-    return product if product == "int16" or int32_sums_exact() else None
+    """The native library's int8 product here ("onednn", "int16" or "aten":
+    `int8_product_kind` in csrc/int8_linear.cpp, which tries ATen's product as
+    `int32_sums_exact` does), or None where it has none with exact int32 sums."""
+    product = ops.int8_product_kind()
+    return None if product == "none" else product
 
 
 def quantize_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -198,7 +199,7 @@ def install(model: torch.nn.Module, cache: Path | None, build_key: str = "",
         layer.min_rows = min_rows
         setattr(parent, name, layer)
     return W8A8Report(len(layers), min_rows, timings,
-                      "fbgemm" if ops is None else ops.int8_product())
+                      "fbgemm" if ops is None else ops.int8_product_kind())
 
 
 def _min_rows(layers: list[W8A8Linear], cache: Path | None,
@@ -206,8 +207,10 @@ def _min_rows(layers: list[W8A8Linear], cache: Path | None,
     """The measured row count (from the cache where this machine measured it before)."""
     path = None if cache is None else Path(cache) / "kernels" / "w8a8-rows.json"
     shapes = sorted({(type(b.exact).__name__, b.out_features, b.in_features) for b in layers})
+    ops = layers[0].ops  # which product: oneDNN's and the int16 one share a build
     key = json.dumps([build_key, torch.__version__, torch.get_num_threads(), len(layers), shapes,
-                      str(layers[0].dtype), layers[0].ops is not None, CANDIDATE_ROWS])
+                      str(layers[0].dtype), ops.int8_product_kind() if ops else "fbgemm",
+                      CANDIDATE_ROWS])
 
     def measure() -> dict:
         min_rows, timings = choose_min_rows(layers)

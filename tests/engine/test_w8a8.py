@@ -7,6 +7,7 @@ it only where asked. Its end-to-end quality against fp32 is in test_default_path
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -181,7 +182,7 @@ def test_bf16_rows_below_min_rows_take_the_exact_path(ops):
 
 
 def test_int_mm_sums_are_exact_where_the_library_multiplies_through_onednn(ops):
-    if ops.int8_product() != "onednn":
+    if ops.int8_product_kind() != "onednn":
         pytest.skip("no VNNI or AMX here (or oneDNN capped below it)")
     assert w8a8.int32_sums_exact()
 
@@ -190,33 +191,38 @@ _WIDENED = """
 import json, sys, torch
 from pathlib import Path
 from engine.kernels import native
+from engine.model import w8a8
 ops = native.kernels(Path(sys.argv[1]))
 torch.manual_seed(0)
-out = {"product": ops.int8_product(), "cases": []}
+out = {"isa": ops.instruction_set(), "product": ops.int8_product_kind(),
+       "aten_exact": w8a8.int32_sums_exact(), "cases": []}
 # Odd inputs (a last pair of one), columns past whole panels of 16, rows past blocks of 6, and
-# every value at +-127 where u8 x s8 pairs summed in int16 would saturate.
+# one case at +-127 everywhere, each row and each output channel of one sign (so every sum's
+# products too), where u8 x s8 pairs summed in int16 saturate (255 x 127 x 2 > 32767).
 for rows, cols_in, cols_out, extreme in ((1, 7, 5, False), (7, 33, 40, False),
                                          (13, 64, 48, True), (64, 576, 200, False)):
     if extreme:
         x = torch.ones(rows, cols_in); x[1::2] = -1
-        w = torch.ones(cols_out, cols_in); w[:, 1::2] = -1
+        w = torch.ones(cols_out, cols_in); w[1::2] = -1
     else:
         x, w = torch.randn(rows, cols_in), torch.randn(cols_out, cols_in)
     scales = (w.abs().amax(1) / 127).clamp(min=1e-30)
     q = torch.round(w / scales[:, None]).to(torch.int8)
-    got = ops.int8_linear(x, q.t().contiguous(), scales, None)
-    row = x.abs().amax(1, keepdim=True) / 127
-    xq = torch.round(x / row).clamp(-127, 127)
-    want = (xq.double() @ q.double().t()) * row.double() * scales.double()
-    out["cases"].append(float((got.double() - want).abs().max() / want.abs().max()))
+    got = ops.int8_linear(x, q.t().contiguous(), scales, None).double()
+    amax = x.double().abs().amax(1, keepdim=True)
+    xq = torch.round(x.double() * (127 / amax))  # the kernel's rounding: x * (127 / amax)
+    want = (xq @ q.double().t()) * (amax.float().double() / 127) * scales.double()
+    out["cases"].append(float((got - want).abs().max() / want.abs().max().clamp(min=1)))
 print(json.dumps(out))
 """
 
 
-def test_the_widened_int8_product_sums_exactly_where_onednn_would_saturate(tmp_path):
-    """With oneDNN capped to AVX2 (as on an AVX2-only CPU) the library multiplies through its
-    own int16 product: its sums are exact on odd shapes and at +-127 everywhere, where oneDNN's
-    u8 x s8 pairs would saturate (checked by `int32_sums_exact` under the same cap)."""
+@pytest.mark.parametrize("isa", ["host", "avx2"])
+def test_the_widened_int8_product_sums_exactly_where_onednn_would_saturate(ops, isa):
+    """With oneDNN capped to AVX2 (as on an AVX2-only CPU) ATen's int8 product saturates on
+    values at +-127 (`int32_sums_exact`), so the library multiplies through its own int16
+    product: its sums are exact there and on odd shapes. Both the host's build and the AVX2
+    build are tried."""
     import json
     import os
     import subprocess
@@ -228,10 +234,15 @@ def test_the_widened_int8_product_sums_exactly_where_onednn_would_saturate(tmp_p
     if native.instruction_set() not in ("avx2", "avx512"):
         pytest.skip("the widened product is built for x86 (AVX2 and later)")
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    if isa == "avx2":
+        env["SEQGATE_KERNEL_ISA"] = "avx2"
     run = subprocess.run([sys.executable, "-c", _WIDENED, str(default_cache_dir())], env=env,
-                         capture_output=True, text=True, timeout=600, check=True)
+                         capture_output=True, text=True, timeout=900, check=True)
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["product"] == "int16"
+    # The library's choice follows the same test; under the cap ATen's product saturates.
+    assert result["aten_exact"] is False and result["product"] == "int16"
+    assert isa == "host" or result["isa"] == "avx2"
+    assert len(result["cases"]) == 4 and all(math.isfinite(c) for c in result["cases"])
     assert max(result["cases"]) < 1e-6, result
 
 
@@ -243,7 +254,7 @@ def test_prepare_puts_a_bf16_model_on_the_native_int8_product_under_native_layer
     loaded.model = load_model(EngineConfig(dtype="bf16")).model
     prepared = prepare(loaded, EngineConfig(dtype="bf16", quantize="w8a8"))
     layers = loaded.model.config.num_hidden_layers
-    assert (prepared.w8a8.layers, prepared.w8a8.product) == (7 * layers, ops.int8_product())
+    assert (prepared.w8a8.layers, prepared.w8a8.product) == (7 * layers, ops.int8_product_kind())
     assert prepared.lowbit.max_rows > 0  # rows below int8's stay on the exact blocks
     layer = loaded.model.model.layers[0]
     stacked, lean = vars(layer)["_lean_stacked"], vars(layer)["_lean_native"]

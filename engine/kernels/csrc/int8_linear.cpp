@@ -1,6 +1,7 @@
 // A linear layer in int8 arithmetic for forwards of many rows (engine/model/w8a8.py): each row
-// quantised to int8 with a scale of its own, the product summed in int32 by oneDNN (ATen's
-// `_int_mm`), and the sums scaled back per row and per output channel.
+// quantised to int8 with a scale of its own, the product summed in int32 (by oneDNN through
+// ATen's `_int_mm` where that is exact, else by `widened_mm` below), and the sums scaled back
+// per row and per output channel.
 //
 // The product is where the time goes, but done as separate ATen operators the quantising and
 // scaling passes cost more than int8 saves over bf16 (six operators over the activations and
@@ -11,9 +12,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <cstdint>
 #include <optional>
@@ -130,23 +129,26 @@ void check_int8_layer(const at::Tensor& weight, const at::Tensor& scales, int64_
 //
 // Without an instruction that sums int8 products into int32 (AVX512-VNNI, AVX-VNNI, AMX), oneDNN
 // sums pairs of u8 × s8 products in int16 (vpmaddubsw), which saturates on 8-bit weights. This
-// product widens both sides to int16 and sums each pair of products into an int32 (vpmaddwd):
-// exact, and as many multiply-adds per instruction as the int16 path, twice fp32's FMA.
+// product widens both sides to int16 and sums each pair of products into an int32 (vpmaddwd,
+// then vpaddd to accumulate): exact, at 16 multiply-adds per two instructions, as fp32's FMA
+// does per one, but with the weights read as int8.
 
-// Whether oneDNN sums int8 products in int32 here: the CPU has such an instruction and
-// ONEDNN_MAX_CPU_ISA (which caps oneDNN) is unset or names a VNNI or AMX level.
-bool onednn_sums_exactly() {
+// Whether ATen's `_int_mm` sums int8 products exactly in int32 here, tried once on values at
+// ±127: a kernel that sums pairs of u8 × s8 products in int16 (oneDNN without VNNI or AMX, or
+// capped below them by ONEDNN_MAX_CPU_ISA) saturates there. engine.model.w8a8.int32_sums_exact
+// is the same test from Python.
+bool int_mm_exact() {
   static const bool exact = [] {
-    std::string cap;
-    if (const char* env = std::getenv("ONEDNN_MAX_CPU_ISA"))
-      for (const char* c = env; *c; ++c) cap += static_cast<char>(std::toupper(*c));
-    const bool allowed = cap.empty() || cap == "ALL" || cap.find("VNNI") != std::string::npos ||
-                         cap.find("AMX") != std::string::npos;
-#if defined(__x86_64__)
-    return allowed && (__builtin_cpu_supports("avx512vnni") || __builtin_cpu_supports("avxvnni"));
-#else
-    return allowed;
-#endif
+    at::Tensor a = at::full({8, 64}, 127, at::TensorOptions().dtype(at::kChar));
+    a.slice(0, 1, 8, 2).fill_(-127);
+    at::Tensor b = at::full({64, 16}, 127, at::TensorOptions().dtype(at::kChar));
+    b.slice(1, 1, 16, 2).fill_(-127);
+    const at::Tensor want = at::matmul(a.to(at::kDouble), b.to(at::kDouble)).to(at::kInt);
+    try {
+      return at::equal(at::_int_mm(a, b), want);
+    } catch (const std::exception&) {
+      return false;  // no int8 product in this ATen build for the CPU
+    }
   }();
   return exact;
 }
@@ -213,6 +215,9 @@ void widen_panel(const int8_t* w, int64_t in, int64_t out, int64_t n0, int64_t c
 
 // a [rows, in] times w [in, out], int8, summed exactly in int32.
 at::Tensor widened_mm(const at::Tensor& a, const at::Tensor& w) {
+  TORCH_CHECK(a.dim() == 2 && w.dim() == 2 && a.size(1) == w.size(0) &&
+                  a.scalar_type() == at::kChar && w.scalar_type() == at::kChar,
+              "int8 product: int8 [rows, in] times int8 [in, out] expected");
   const int64_t rows = a.size(0), in = a.size(1), out = w.size(1);
   const int64_t pairs = (in + 1) / 2, lda = 2 * pairs;
   const at::Tensor ac = a.contiguous(), wc = w.contiguous();
@@ -251,18 +256,19 @@ at::Tensor widened_mm(const at::Tensor& a, const at::Tensor& w) {
 // the widened product.
 at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& w) {
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-  if (!onednn_sums_exactly()) return widened_mm(a, w);
+  if (!int_mm_exact()) return widened_mm(a, w);
 #endif
   return at::_int_mm(a, w);
 }
 
-// Which product int8_mm takes here: "onednn" (VNNI or AMX), "int16" (the widened one), or
-// "aten" (ATen's `_int_mm` on other CPUs, whose exactness the caller checks).
-std::string int8_product() {
+// Which product int8_mm takes here: "onednn" (ATen's `_int_mm`, exact on x86 with VNNI or AMX),
+// "int16" (the widened one, on other x86 CPUs), "aten" (`_int_mm`, exact, elsewhere), or "none"
+// (`_int_mm` inexact and nothing in its place: the engine does not use this library's product).
+std::string int8_product_kind() {
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-  return onednn_sums_exactly() ? "onednn" : "int16";
+  return int_mm_exact() ? "onednn" : "int16";
 #else
-  return "aten";
+  return int_mm_exact() ? "aten" : "none";
 #endif
 }
 
@@ -578,7 +584,7 @@ at::Tensor int8_product(const at::Tensor& x, const at::Tensor& weight, const at:
 
 TORCH_LIBRARY_FRAGMENT(seqgate, m) {
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
-  m.def("int8_product() -> str", &int8_product);
+  m.def("int8_product_kind() -> str", &int8_product_kind);
 }
 
 TORCH_LIBRARY_IMPL(seqgate, CPU, m) { m.impl("int8_linear", &int8_linear); }
