@@ -68,21 +68,10 @@ class Int8Weights(NamedTuple):
         return cls(q.t().contiguous(), scales.contiguous())
 
 
-def int32_sums_exact() -> bool:
-    """Whether `torch._int_mm` sums 8-bit products exactly here: with every value at ±127 a
-    kernel that sums u8 × s8 pairs in int16 saturates (255 × 127 × 2 > 32767)."""
-    a = torch.full((8, 64), 127, dtype=torch.int8)
-    a[1::2] = -127
-    b = torch.full((64, 16), 127, dtype=torch.int8)
-    b[:, 1::2] = -127
-    want = (a.double() @ b.double()).to(torch.int32)  # at most 64 × 127²: exact in a double
-    return torch.equal(torch._int_mm(a, b), want)
-
-
 def native_product(ops) -> str | None:
     """The native library's int8 product here ("onednn", "int16" or "aten":
-    `int8_product_kind` in csrc/int8_linear.cpp, which tries ATen's product as
-    `int32_sums_exact` does), or None where it has none with exact int32 sums."""
+    `int8_product_kind` in csrc/int8_linear.cpp, which tries ATen's product once on values
+    where it would saturate), or None where it has none with exact int32 sums."""
     product = ops.int8_product_kind()
     return None if product == "none" else product
 

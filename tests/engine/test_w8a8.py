@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,10 +182,22 @@ def test_bf16_rows_below_min_rows_take_the_exact_path(ops):
     assert torch.equal(int8(x), int8.int8_forward(x))
 
 
+def aten_int8_sums_exact() -> bool:
+    """Whether `torch._int_mm` sums 8-bit products exactly here: with every value at ±127 a
+    kernel that sums u8 × s8 pairs in int16 saturates (255 × 127 × 2 > 32767). The library
+    decides by the same test (`int_mm_exact` in csrc/int8_linear.cpp); this one checks it."""
+    a = torch.full((8, 64), 127, dtype=torch.int8)
+    a[1::2] = -127
+    b = torch.full((64, 16), 127, dtype=torch.int8)
+    b[:, 1::2] = -127
+    want = (a.double() @ b.double()).to(torch.int32)  # at most 64 × 127²: exact in a double
+    return torch.equal(torch._int_mm(a, b), want)
+
+
 def test_int_mm_sums_are_exact_where_the_library_multiplies_through_onednn(ops):
     if ops.int8_product_kind() != "onednn":
         pytest.skip("no VNNI or AMX here (or oneDNN capped below it)")
-    assert w8a8.int32_sums_exact()
+    assert aten_int8_sums_exact()
 
 
 _WIDENED = """
@@ -192,10 +205,11 @@ import json, sys, torch
 from pathlib import Path
 from engine.kernels import native
 from engine.model import w8a8
+from tests.engine.test_w8a8 import _reference, aten_int8_sums_exact
 ops = native.kernels(Path(sys.argv[1]))
 torch.manual_seed(0)
 out = {"isa": ops.instruction_set(), "product": ops.int8_product_kind(),
-       "aten_exact": w8a8.int32_sums_exact(), "cases": []}
+       "aten_exact": aten_int8_sums_exact(), "cases": []}
 # Odd inputs (a last pair of one), columns past whole panels of 16, rows past blocks of 6, and
 # one case at +-127 everywhere, each row and each output channel of one sign (so every sum's
 # products too), where u8 x s8 pairs summed in int16 saturate (255 x 127 x 2 > 32767).
@@ -206,12 +220,9 @@ for rows, cols_in, cols_out, extreme in ((1, 7, 5, False), (7, 33, 40, False),
         w = torch.ones(cols_out, cols_in); w[1::2] = -1
     else:
         x, w = torch.randn(rows, cols_in), torch.randn(cols_out, cols_in)
-    scales = (w.abs().amax(1) / 127).clamp(min=1e-30)
-    q = torch.round(w / scales[:, None]).to(torch.int8)
-    got = ops.int8_linear(x, q.t().contiguous(), scales, None).double()
-    amax = x.double().abs().amax(1, keepdim=True)
-    xq = torch.round(x.double() * (127 / amax))  # the kernel's rounding: x * (127 / amax)
-    want = (xq @ q.double().t()) * (amax.float().double() / 127) * scales.double()
+    weights = w8a8.Int8Weights.of(w)
+    got = ops.int8_linear(x, weights.weight, weights.scales, None).double()
+    want = _reference(x, weights, None)
     out["cases"].append(float((got - want).abs().max() / want.abs().max().clamp(min=1)))
 print(json.dumps(out))
 """
@@ -220,7 +231,7 @@ print(json.dumps(out))
 @pytest.mark.parametrize("isa", ["host", "avx2"])
 def test_the_widened_int8_product_sums_exactly_where_onednn_would_saturate(ops, isa):
     """With oneDNN capped to AVX2 (as on an AVX2-only CPU) ATen's int8 product saturates on
-    values at +-127 (`int32_sums_exact`), so the library multiplies through its own int16
+    values at +-127 (`aten_int8_sums_exact`), so the library multiplies through its own int16
     product: its sums are exact there and on odd shapes. Both the host's build and the AVX2
     build are tried."""
     import json
@@ -236,8 +247,9 @@ def test_the_widened_int8_product_sums_exactly_where_onednn_would_saturate(ops, 
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
     if isa == "avx2":
         env["SEQGATE_KERNEL_ISA"] = "avx2"
+    repo = Path(__file__).resolve().parents[2]  # where `tests` imports from
     run = subprocess.run([sys.executable, "-c", _WIDENED, str(default_cache_dir())], env=env,
-                         capture_output=True, text=True, timeout=900, check=True)
+                         cwd=repo, capture_output=True, text=True, timeout=900, check=True)
     result = json.loads(run.stdout.strip().splitlines()[-1])
     # The library's choice follows the same test; under the cap ATen's product saturates.
     assert result["aten_exact"] is False and result["product"] == "int16"

@@ -135,8 +135,8 @@ void check_int8_layer(const at::Tensor& weight, const at::Tensor& scales, int64_
 
 // Whether ATen's `_int_mm` sums int8 products exactly in int32 here, tried once on values at
 // ±127: a kernel that sums pairs of u8 × s8 products in int16 (oneDNN without VNNI or AMX, or
-// capped below them by ONEDNN_MAX_CPU_ISA) saturates there. engine.model.w8a8.int32_sums_exact
-// is the same test from Python.
+// capped below them by ONEDNN_MAX_CPU_ISA) saturates there. tests/engine/test_w8a8.py makes
+// the same test from Python to check this one.
 bool int_mm_exact() {
   static const bool exact = [] {
     at::Tensor a = at::full({8, 64}, 127, at::TensorOptions().dtype(at::kChar));
