@@ -56,7 +56,9 @@ SOURCES = tuple(Path(__file__).with_name("csrc") / name
 HEADERS = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("vec.h", "lowbit_linear.h"))
 # OpenMP: without it `at::parallel_for` runs on one thread (it links to torch's own libgomp).
-FLAGS = ("-O3", "-fopenmp")
+# No fused multiply-adds but those written out: a product and a sum rounded once would differ
+# from ATen's two operators, which the layer passes of lean_layer.cpp match bit for bit.
+FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 ISA_ENV = "SEQGATE_KERNEL_ISA"
 
 # What each instruction set needs of the CPU, and its flags: ATen's vector headers pick their

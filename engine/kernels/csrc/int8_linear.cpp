@@ -28,13 +28,10 @@ namespace {
 
 using seqgate::kLanes;
 using seqgate::load;
+using seqgate::round_to;
+using seqgate::silu;
+using seqgate::store;
 using seqgate::Vec;
-
-inline void store(float* p, const Vec& v) { v.store(p); }
-inline void store(at::BFloat16* p, const Vec& v) {
-  // Rounded to nearest even, as a .to(torch.bfloat16) does; only the first kLanes are stored.
-  at::vec::convert_from_float<at::BFloat16>(v, v).store(p, kLanes);
-}
 
 // v's lanes (each within int8's range) stored as int8 at q.
 inline void store_int8(int8_t* q, const at::vec::Vectorized<int32_t>& v) {
@@ -313,19 +310,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 // time at 64 rows, about as much as the products of one layer's MLP. Here it is a few passes
 // over each row's values while they are in the cache. The roundings to the model's dtype are
 // where the model's forward rounds, but the norms' sums of squares are added in another order
-// than ATen's, and on fp32 models the compiler may fuse a product and a sum into one rounding:
-// results are close to the operator-by-operator forward, not equal to it bit for bit (w8a8 is
-// an approximation, judged by its distance from fp32: docs/benchmarks/speed.md).
-
-// v rounded to T and back: where the model's forward stores a T.
-template <typename T>
-inline Vec round_to(const Vec& v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v)));
-  }
-}
+// than ATen's: results are close to the operator-by-operator forward, not equal to it bit for
+// bit (w8a8 is an approximation, judged by its distance from fp32: docs/benchmarks/speed.md).
 
 inline float lanes_sum(const Vec& v) {
   float lanes[kLanes];
@@ -434,9 +420,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_inputs(
   return {heads.slice(1, 0, q_heads), heads.slice(1, q_heads, q_heads + kv_heads),
           heads.slice(1, q_heads + kv_heads)};
 }
-
-// SiLU of g as ATen's kernel computes it: g / (1 + e^-g), with the same vectorised exp.
-inline Vec silu(const Vec& g) { return g / (Vec(1.f) + g.neg().exp()); }
 
 template <typename T>
 at::Tensor attention_output(const at::Tensor& attention, const at::Tensor& residual,

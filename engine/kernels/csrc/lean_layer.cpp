@@ -6,26 +6,38 @@
 // takes 2-3 µs of interpreter and dispatch, about half of a one-row step outside the weights'
 // products (docs/benchmarks/speed.md). At many rows the calls are a smaller share, but the
 // interpreter holds one of the cores while the other waits: on 2 cores the Python of a step is
-// serial time. These two functions run the same ATen operators on the
-// same tensors in the same order as the Python forward, so their results are equal bit for bit
-// (tests/engine/test_lowbit.py), and only the calls from Python go away. Layers in int8 are the
-// exception: their work between the products runs in fused passes (int8_linear.cpp), close to
-// the Python forward but not equal to it (tests/engine/test_w8a8.py). The KV cache update and
-// the attention stay in Python between them: they are the model's and the engine's own.
+// serial time. These two functions compute what the Python forward's operators compute, in
+// the same order and with the same roundings, so their results are equal bit for bit
+// (tests/engine/test_lowbit.py), and only the calls go away: for layers in blocks the work
+// between the products runs in passes over the rows, else as ATen operators. Layers in int8
+// are the exception: their work between the products runs in fused passes (int8_linear.cpp),
+// close to the Python forward but not equal to it (tests/engine/test_w8a8.py). The KV cache
+// update and the attention stay in Python between them: they are the model's and the engine's
+// own.
 //
 // Each linear layer is (kind, q, d, m) as engine.model.lowbit.BlockLinear holds it, or
 // (kInt8, weight, scales, None) as engine.model.w8a8.W8A8Linear's packed weights, without a
 // bias; `block_product` multiplies it.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <optional>
 #include <tuple>
+#include <type_traits>
 
 #include "lowbit_linear.h"
+#include "vec.h"
 
 namespace {
+
+using seqgate::kLanes;
+using seqgate::load;
+using seqgate::round_to;
+using seqgate::silu;
+using seqgate::store;
+using seqgate::Vec;
 
 // LlamaRMSNorm's forward, operation for operation (llama_layers._rms_norm).
 at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
@@ -45,6 +57,131 @@ at::Tensor product(const at::Tensor& x, int64_t kind, const at::Tensor& q,
   return out.view(shape);
 }
 
+// -- Layers in blocks: the work between the products in passes over the rows ------------------
+//
+// At one row the ATen operators between a layer's products (norms, rotary embedding, SiLU,
+// residuals) cost their dispatch and a new tensor each, about 25 a layer: a fifth of a one-row
+// step on 2 cores (docs/benchmarks/speed.md). These passes do each element's arithmetic as those
+// operators do, rounding to the model's dtype where they round (the build lets the compiler fuse
+// no product and sum), and leave the norms' sums of squares to ATen's reduction, whose order of
+// additions they would otherwise have to copy: the results stay equal bit for bit.
+
+// Whether the passes take a forward of `hidden` whose products are of `kind`: [rows, tokens,
+// cols] in fp32 or bf16, whole vectors in its columns and in each half of a head.
+bool passes_fit(const at::Tensor& hidden, int64_t kind, int64_t head_dim) {
+  return (kind == seqgate::kQ4 || kind == seqgate::kQ8 || kind == seqgate::kH16) &&
+         hidden.dim() == 3 &&
+         (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16) &&
+         hidden.size(-1) % kLanes == 0 && head_dim % (2 * kLanes) == 0;
+}
+
+constexpr int64_t kRowGrain = 16;  // rows a thread takes in the passes: a step's few stay on one
+
+// LlamaRMSNorm of h's rows ([m, cols], contiguous T) with `weight` (llama_layers._rms_norm).
+template <typename T>
+at::Tensor norm_rows(const at::Tensor& h, const at::Tensor& weight, double eps) {
+  const int64_t m = h.size(0), cols = h.size(1);
+  at::Tensor squares = at::empty({m, cols}, h.options().dtype(at::kFloat));
+  const T* hp = h.const_data_ptr<T>();
+  float* sp = squares.data_ptr<float>();
+  for (int64_t i = 0; i < m * cols; i += kLanes) {
+    const Vec v = load(hp + i);
+    (v * v).store(sp + i);
+  }
+  const at::Tensor variance = squares.mean(-1);  // x.pow(2).mean(-1): ATen's own sums
+  const float* vp = variance.const_data_ptr<float>();
+  const at::Tensor w = weight.contiguous();
+  const T* wp = w.const_data_ptr<T>();
+  at::Tensor out = at::empty({m, cols}, h.options());
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, m, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const Vec inv = Vec(vp[r] + static_cast<float>(eps)).rsqrt();  // torch.rsqrt: 1 / sqrt
+      for (int64_t c = 0; c < cols; c += kLanes)
+        store(op + r * cols + c, load(wp + c) * round_to<T>(load(hp + r * cols + c) * inv));
+    }
+  });
+  return out;
+}
+
+template <typename T>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> block_inputs(
+    const at::Tensor& hidden, const at::Tensor& norm, double eps, int64_t kind,
+    const at::Tensor& q, const std::optional<at::Tensor>& d, const std::optional<at::Tensor>& m,
+    int64_t q_heads, int64_t kv_heads, int64_t head_dim, const at::Tensor& cos,
+    const at::Tensor& signed_sin) {
+  const int64_t batch = hidden.size(0), tokens = hidden.size(1), cols = hidden.size(2);
+  const int64_t rows = batch * tokens;
+  const at::Tensor x = norm_rows<T>(hidden.reshape({rows, cols}).contiguous(), norm, eps);
+  at::Tensor qkv = seqgate::block_product(x, kind, q, d, m);  // a new tensor: turned in place
+  const int64_t n = qkv.size(1), turned = (q_heads + kv_heads) * head_dim, half = head_dim / 2;
+  // [batch, tokens, head_dim] views of the tables ([rows or 1, 1, tokens, head_dim]).
+  const at::Tensor cs = cos.contiguous().expand({batch, 1, tokens, head_dim}).select(1, 0);
+  const at::Tensor sn = signed_sin.contiguous().expand({batch, 1, tokens, head_dim}).select(1, 0);
+  const T* cp = cs.const_data_ptr<T>();
+  const T* snp = sn.const_data_ptr<T>();
+  T* xp = qkv.data_ptr<T>();
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t b = r / tokens, t = r % tokens;
+      const T* c = cp + b * cs.stride(0) + t * cs.stride(1);
+      const T* s = snp + b * sn.stride(0) + t * sn.stride(1);
+      // x * cos + roll(x, half) * signed_sin (llama_layers._rotate), each product and the sum
+      // rounded to T: the first half's partner is the second half, and the other way round.
+      for (int64_t head = 0; head < turned; head += head_dim) {
+        T* h = xp + r * n + head;
+        for (int64_t j = 0; j < half; j += kLanes) {
+          const Vec lo = load(h + j), hi = load(h + half + j);
+          store(h + j, round_to<T>(lo * load(c + j)) + round_to<T>(hi * load(s + j)));
+          store(h + half + j,
+                round_to<T>(hi * load(c + half + j)) + round_to<T>(lo * load(s + half + j)));
+        }
+      }
+    }
+  });
+  const at::Tensor heads = qkv.view({batch, tokens, -1, head_dim}).transpose(1, 2);
+  return {heads.slice(1, 0, q_heads), heads.slice(1, q_heads, q_heads + kv_heads),
+          heads.slice(1, q_heads + kv_heads)};
+}
+
+// into[i] = a[i] + into[i] (the model's `residual + product`), rounded to T.
+template <typename T>
+void add_into(const at::Tensor& a, at::Tensor& into) {
+  const T* ap = a.const_data_ptr<T>();
+  T* ip = into.data_ptr<T>();
+  for (int64_t i = 0; i < into.numel(); i += kLanes) store(ip + i, load(ap + i) + load(ip + i));
+}
+
+template <typename T>
+at::Tensor block_output(
+    const at::Tensor& attention, const at::Tensor& residual, int64_t o_kind,
+    const at::Tensor& o_q, const std::optional<at::Tensor>& o_d,
+    const std::optional<at::Tensor>& o_m, const at::Tensor& norm, double eps,
+    int64_t gate_up_kind, const at::Tensor& gate_up_q, const std::optional<at::Tensor>& gate_up_d,
+    const std::optional<at::Tensor>& gate_up_m, int64_t down_kind, const at::Tensor& down_q,
+    const std::optional<at::Tensor>& down_d, const std::optional<at::Tensor>& down_m) {
+  const int64_t cols = residual.size(-1), rows = residual.numel() / cols;
+  const at::Tensor res = residual.reshape({rows, cols}).contiguous();
+  at::Tensor hidden = seqgate::block_product(attention.reshape({rows, -1}).contiguous(), o_kind,
+                                             o_q, o_d, o_m);
+  add_into<T>(res, hidden);
+  const at::Tensor gate_up = seqgate::block_product(norm_rows<T>(hidden, norm, eps), gate_up_kind,
+                                                    gate_up_q, gate_up_d, gate_up_m);
+  const int64_t inner = gate_up.size(1) / 2;
+  at::Tensor act = at::empty({rows, inner}, hidden.options());
+  const T* gp = gate_up.const_data_ptr<T>();
+  T* ap = act.data_ptr<T>();
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t c = 0; c < inner; c += kLanes)  // F.silu(gate) * up, each rounded to T
+        store(ap + r * inner + c, round_to<T>(silu(load(gp + r * 2 * inner + c))) *
+                                      load(gp + r * 2 * inner + inner + c));
+  });
+  at::Tensor out = seqgate::block_product(act, down_kind, down_q, down_d, down_m);
+  add_into<T>(hidden, out);
+  return out.view(residual.sizes());
+}
+
 // The input norm, the stacked query/key/value projection and the rotary embedding of the query
 // and key heads (llama_layers.lean_forward with stacked projections; `signed_sin` is
 // llama_layers._rotary_tables' sin, its first half negated). Returns query, key, value, each
@@ -58,6 +195,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lean_attention_inputs(
       seqgate::int8_layer_fits(hidden, head_dim, q))
     return seqgate::int8_attention_inputs(hidden, norm, eps, q, *d, q_heads, kv_heads, head_dim,
                                           cos, signed_sin);
+  if (passes_fit(hidden, kind, head_dim) && norm.scalar_type() == hidden.scalar_type() &&
+      cos.scalar_type() == hidden.scalar_type() &&
+      signed_sin.scalar_type() == hidden.scalar_type())
+    return hidden.scalar_type() == at::kFloat
+               ? block_inputs<float>(hidden, norm, eps, kind, q, d, m, q_heads, kv_heads,
+                                     head_dim, cos, signed_sin)
+               : block_inputs<at::BFloat16>(hidden, norm, eps, kind, q, d, m, q_heads,
+                                            kv_heads, head_dim, cos, signed_sin);
   const at::Tensor x = rms_norm(hidden, norm, eps);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(-1);
@@ -84,6 +229,17 @@ at::Tensor lean_attention_output(
       down_d.has_value() && seqgate::int8_layer_fits(residual, 0, gate_up_q))
     return seqgate::int8_attention_output(attention, residual, o_q, *o_d, norm, eps, gate_up_q,
                                           *gate_up_d, down_q, *down_d);
+  if (passes_fit(residual, o_kind, 0) && o_kind == gate_up_kind && o_kind == down_kind &&
+      norm.scalar_type() == residual.scalar_type() &&
+      attention.scalar_type() == residual.scalar_type()) {
+    const auto run = [&](auto* type) {
+      using T = std::remove_pointer_t<decltype(type)>;
+      return block_output<T>(attention, residual, o_kind, o_q, o_d, o_m, norm, eps, gate_up_kind,
+                             gate_up_q, gate_up_d, gate_up_m, down_kind, down_q, down_d, down_m);
+    };
+    return residual.scalar_type() == at::kFloat ? run(static_cast<float*>(nullptr))
+                                                : run(static_cast<at::BFloat16*>(nullptr));
+  }
   std::vector<int64_t> shape(residual.sizes().begin(), residual.sizes().end() - 1);
   shape.push_back(-1);
   const at::Tensor out = attention.reshape(shape).contiguous();

@@ -8,6 +8,9 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <tuple>
+#include <type_traits>
+
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 #endif
@@ -32,6 +35,25 @@ inline Vec load(const at::BFloat16* p) {
   at::vec::load_to_float(p, v);
   return v;
 }
+
+inline void store(float* p, const Vec& v) { v.store(p); }
+inline void store(at::BFloat16* p, const Vec& v) {
+  // Rounded to nearest even, as a .to(torch.bfloat16) does; only the first kLanes are stored.
+  at::vec::convert_from_float<at::BFloat16>(v, v).store(p, kLanes);
+}
+
+// v rounded to T and back: where the model's forward stores a T.
+template <typename T>
+inline Vec round_to(const Vec& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v)));
+  }
+}
+
+// SiLU of g as ATen's kernel computes it: g / (1 + e^-g), with the same vectorised exp.
+inline Vec silu(const Vec& g) { return g / (Vec(1.f) + g.neg().exp()); }
 
 // Reads a row of D elements ahead into the cache.
 template <typename T, int D>
