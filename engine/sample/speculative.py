@@ -4,7 +4,8 @@ output proposes the tokens that followed them there; the next step feeds its pen
 that draft together (causally, at consecutive positions) and keeps the longest prefix of the
 draft that its own choices agree with, plus the choice after it. A greedy row's output is the
 one plain greedy decoding gives, token for token; a step yields up to 1 + k tokens per row for
-about the cost of one when the weights, not the arithmetic, bound it (one row on a CPU).
+about the cost of one where the weights' reads bound it, and for a share more of the arithmetic
+per drafted token where the multiply-adds do (few rows on a CPU): `Payoff` picks the length.
 
 Sampled rows verify by rejection sampling (Leviathan et al. 2023; Chen et al. 2023), which keeps
 their output distributed as plain sampling gives it (`sampled_choices`). Seeded rows do not
@@ -36,39 +37,54 @@ SEARCH_TOKENS = 2048
 # Acceptance below this (tokens kept per token proposed, over recent steps) pauses drafting
 # for PAUSE_STEPS: a draft costs its columns' compute and a masked attention.
 LOW_ACCEPTANCE, PAUSE_STEPS = 0.1, 32
-# Payoff: each way (drafts fed or not) is judged after this many decode-only steps at a row
-# count, over decayed sums; the way that loses is tried again every EXPLORE-th step there, so
-# that a change (longer contexts, other prompts) is seen.
+# Payoff: each draft length (0: none) is judged after this many decode-only steps at a row
+# count, over decayed sums; the lengths that lose are tried again in turn every EXPLORE-th step
+# there, so that a change (longer contexts, other prompts) is seen.
 MIN_STEPS, DECAY, EXPLORE = 4, 0.95, 16
 
 
-class Payoff:
-    """Whether drafting pays, per number of rows decoding, judged by what it yielded: output
-    tokens per second of decode-only steps with drafts fed against steps without. Whether extra
-    columns cost little (one row, the weights' reads bound) or as much as the rows (several
-    rows, the arithmetic bounds: a CPU's cores) depends on the machine, the model and the
-    rows, so it is measured rather than modelled."""
+def draft_lengths(k: int) -> tuple[int, ...]:
+    """The draft lengths the payoff chooses among for at most `k` drafted tokens: none, the
+    powers of two below k, and k (0, 1, 2, 4 for 4)."""
+    return tuple(sorted({0, k, *(n for n in (1, 2, 4, 8, 16) if n < k)})) if k > 0 else (0,)
 
-    def __init__(self) -> None:
-        self._sums: dict[tuple[int, bool], list[float]] = {}  # (rows, fed) -> tokens, s, steps
+
+class Payoff:
+    """How many tokens to draft, per number of rows decoding, judged by what each length
+    yielded: output tokens per second of decode-only steps whose drafts were capped at it (0:
+    none), the steps that found no draft included, since that is what the choice yields. A
+    drafted column costs little where the weights' reads bound a step, and about a row's share
+    of the arithmetic where the multiply-adds do (a CPU's few-row products: each more column
+    added a fifth to a one-row step's products on AVX2, docs/benchmarks/speed.md), while each
+    further drafted token is kept less often than the one before: a shorter draft can pay where
+    a longer one does not. Which one depends on the machine, the model and the text, so it is
+    measured rather than modelled."""
+
+    def __init__(self, lengths: tuple[int, ...] = (0, 4)) -> None:
+        self.lengths = lengths  # ascending, 0 first
+        self._sums: dict[tuple[int, int], list[float]] = {}  # (rows, length) -> tokens, s, steps
         self._asked: dict[int, int] = {}
 
-    def observe(self, rows: int, fed: bool, tokens: int, seconds: float) -> None:
-        t = self._sums.setdefault((rows, fed), [0.0, 0.0, 0.0])
+    def observe(self, rows: int, length: int, tokens: int, seconds: float) -> None:
+        t = self._sums.setdefault((rows, length), [0.0, 0.0, 0.0])
         t[0], t[1], t[2] = DECAY * t[0] + tokens, DECAY * t[1] + seconds, t[2] + 1
 
-    def _rate(self, rows: int, fed: bool) -> float | None:
-        t = self._sums.get((rows, fed))
+    def _rate(self, rows: int, length: int) -> float | None:
+        t = self._sums.get((rows, length))
         return t[0] / t[1] if t is not None and t[2] >= MIN_STEPS and t[1] > 0 else None
 
-    def pays(self, rows: int) -> bool:
-        on, off = self._rate(rows, True), self._rate(rows, False)
-        if on is None:
-            return True  # learn what drafts yield
-        if off is None:
-            return False  # and what steps without them yield (a draft model always proposes)
+    def length(self, rows: int) -> int:
+        """The draft length for the coming step of `rows` rows."""
+        rates = {n: self._rate(rows, n) for n in self.lengths}
+        unseen = [n for n in self.lengths if rates[n] is None]
+        if unseen:
+            return unseen[-1]  # learn what each yields, the longest first
         self._asked[rows] = asked = self._asked.get(rows, 0) + 1
-        return (on >= off) != (asked % EXPLORE == 0)
+        best = max(self.lengths, key=lambda n: rates[n])
+        if asked % EXPLORE:
+            return best
+        others = [n for n in self.lengths if n != best]
+        return others[(asked // EXPLORE - 1) % len(others)]
 
 
 def propose(context: list[int], k: int) -> list[int]:
@@ -173,32 +189,32 @@ class Speculator:
         self.accepted = 0  # of those, kept
         self._recent = [0.0, 0.0]  # decayed (proposed, accepted)
         self._paused = 0
-        self.payoff = Payoff()
-        self._fed = False  # whether the step under way verified drafts
+        self.payoff = Payoff(draft_lengths(self.k))
+        self._length = 0  # the draft length of the step under way
         self.draft_model = draft_model
 
     def draft(self, rows: list[Sequence]) -> None:
         """Set each running row's draft for the coming step ([] where none is proposed)."""
-        self._fed = False
-        active = (self.k and 0 < len(rows) <= self.max_rows and not self._pause()
-                  and self.payoff.pays(len(rows)))
+        self._length = (self.payoff.length(len(rows))
+                        if self.k and 0 < len(rows) <= self.max_rows and not self._pause()
+                        else 0)
         if self.draft_model is not None and self.draft_model.rows:
             self.draft_model.keep_only({(s.job.job_id, s.index) for s in rows})
         for s in rows:
-            s.draft = self._propose(s) if active else []
+            s.draft = self._propose(s, self._length) if self._length else []
 
     def step_done(self, rows: int, tokens: int, seconds: float) -> None:
         """A decode-only step of `rows` rows made `tokens` tokens in `seconds`: what drafting
         (or not) yielded there."""
         if 0 < rows <= self.max_rows and self.k:
-            self.payoff.observe(rows, self._fed, tokens, seconds)
+            self.payoff.observe(rows, self._length, tokens, seconds)
 
-    def _propose(self, s: Sequence) -> list[int]:
+    def _propose(self, s: Sequence, length: int) -> list[int]:
         if not plain(s) or s.status.finished:
             return []
         # Within the job's reservation and the context: the pending token, the draft and the
         # choice after it must all fit.
-        room = min(self.k, s.tokens_left - 1, self.max_model_len - s.kv_len - 2)
+        room = min(length, s.tokens_left - 1, self.max_model_len - s.kv_len - 2)
         if room <= 0:
             return []
         context = s.job.prompt_ids + s.generated
@@ -217,7 +233,6 @@ class Speculator:
         return False
 
     def record(self, proposed: int, accepted: int) -> None:
-        self._fed = True
         self.proposed += proposed
         self.accepted += accepted
         self._recent = [0.9 * self._recent[0] + proposed, 0.9 * self._recent[1] + accepted]

@@ -33,27 +33,31 @@ COPYING = [
 
 @pytest.fixture(autouse=True)
 def drafts_always_pay(monkeypatch, request):
-    """These tests are about what drafts do, so every step may draft (the payoff, which decides
-    by what drafting yielded on the machine, has its own test)."""
+    """These tests are about what drafts do, so every step may draft its longest (the payoff,
+    which decides by what each length yielded on the machine, has its own test)."""
     if "payoff" not in request.node.name:
-        monkeypatch.setattr(speculative.Payoff, "pays", lambda self, rows: True)
+        monkeypatch.setattr(speculative.Payoff, "length", lambda self, rows: self.lengths[-1])
 
 
-def test_the_payoff_drafts_where_drafts_yielded_more():
-    payoff = speculative.Payoff()
-    assert payoff.pays(1)  # nothing seen: learn
-    for _ in range(speculative.MIN_STEPS):
-        payoff.observe(1, True, 3, 0.030)  # 100 tokens/s with drafts
-        payoff.observe(1, False, 1, 0.020)  # 50 without
-        payoff.observe(4, True, 6, 0.140)  # 43 with drafts at 4 rows
-        payoff.observe(4, False, 4, 0.070)  # 57 without
-    one = [payoff.pays(1) for _ in range(2 * speculative.EXPLORE)]
-    four = [payoff.pays(4) for _ in range(2 * speculative.EXPLORE)]
-    assert one.count(False) == 2 and four.count(True) == 2  # the loser tried now and then
-    assert payoff.pays(2)  # another row count learns by itself
-    for _ in range(speculative.MIN_STEPS):  # every step drafted (a draft model always proposes)
-        payoff.observe(2, True, 2, 0.040)
-    assert not payoff.pays(2)  # then steps without drafts are tried
+def test_the_payoff_drafts_the_length_that_yielded_most():
+    assert speculative.draft_lengths(4) == (0, 1, 2, 4)
+    assert speculative.draft_lengths(6) == (0, 1, 2, 4, 6)
+    assert speculative.draft_lengths(1) == (0, 1) and speculative.draft_lengths(0) == (0,)
+    payoff = speculative.Payoff(speculative.draft_lengths(4))
+    # tokens and seconds a step of one row, and of four, made at each length: at one row two
+    # drafted tokens pay best (146 tokens/s against 100 without); at four rows none does
+    one_row = {0: (1, 0.010), 1: (1.5, 0.011), 2: (1.75, 0.012), 4: (1.9, 0.017)}
+    four_rows = {0: (4, 0.040), 1: (5, 0.055), 2: (5.5, 0.065), 4: (6, 0.090)}
+    for n in (4, 2, 1, 0):  # nothing seen: each length is learnt, the longest first
+        assert payoff.length(1) == n
+        for _ in range(speculative.MIN_STEPS):
+            payoff.observe(1, n, *one_row[n])
+            payoff.observe(4, n, *four_rows[n])
+    one = [payoff.length(1) for _ in range(3 * speculative.EXPLORE)]
+    four = [payoff.length(4) for _ in range(3 * speculative.EXPLORE)]
+    assert one.count(2) == len(one) - 3 and sorted(n for n in one if n != 2) == [0, 1, 4]
+    assert four.count(0) == len(four) - 3  # the losers tried in turn now and then
+    assert payoff.length(2) == 4  # another row count learns by itself
 
 
 def greedy(n: int, **kw) -> SamplingParams:
@@ -96,6 +100,22 @@ def test_greedy_output_equals_generate_with_speculation_on(smollm2, make_engine)
         assert [collect(h)[0]["tokens"] for h in handles] == want[:3]
         assert eng.stats().spec_accepted_tokens > 0
         assert max_sparsity or max(s.sub_batches for s in steps) > 1
+
+
+@pytest.mark.parametrize("length", [1, 2])
+def test_a_shorter_draft_length_caps_each_draft_and_keeps_greedy_output(smollm2, make_engine,
+                                                                        monkeypatch, length):
+    """The length the payoff chooses caps every row's draft at it; the output is unchanged."""
+    monkeypatch.setattr(speculative.Payoff, "length", lambda self, rows: length)
+    prompt = smollm2.tokenizer.encode(COPYING[0])
+    want = reference_greedy(smollm2.model, prompt, 24)
+    eng = make_engine(smollm2, num_speculative_tokens=4)
+    h = eng.submit(prompt, greedy(24))
+    steps = eng.run_until_idle()
+    assert collect(h)[0]["tokens"] == want
+    stats = eng.stats()
+    assert 0 < stats.spec_proposed_tokens <= length * len(steps)
+    assert stats.spec_accepted_tokens > 0
 
 
 def test_rows_that_are_not_plain_greedy_never_draft_and_do_not_change(smollm2, make_engine):
