@@ -131,7 +131,7 @@ class TokenDecoder:
         sb.commit([0] * sb.size)
         sb.keep_drafted(outcome.kept)
         if self.speculator is not None:
-            self.speculator.record(sum(map(len, drafts)), outcome.kept * sb.size)
+            self.speculator.record(drafts, outcome.kept)
         for s, tokens in zip(sb.seqs, outcome.tokens):
             s.draft = []
             for tok in tokens:

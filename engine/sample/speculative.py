@@ -37,54 +37,87 @@ SEARCH_TOKENS = 2048
 # Acceptance below this (tokens kept per token proposed, over recent steps) pauses drafting
 # for PAUSE_STEPS: a draft costs its columns' compute and a masked attention.
 LOW_ACCEPTANCE, PAUSE_STEPS = 0.1, 32
-# Payoff: each draft length (0: none) is judged after this many decode-only steps at a row
-# count, over decayed sums; the lengths that lose are tried again in turn every EXPLORE-th step
-# there, so that a change (longer contexts, other prompts) is seen.
-MIN_STEPS, DECAY, EXPLORE = 4, 0.95, 16
-
-
-def draft_lengths(k: int) -> tuple[int, ...]:
-    """The draft lengths the payoff chooses among for at most `k` drafted tokens: none, the
-    powers of two below k, and k (0, 1, 2, 4 for 4)."""
-    return tuple(sorted({0, k, *(n for n in (1, 2, 4, 8, 16) if n < k)})) if k > 0 else (0,)
+# Payoff: a step time, or a draft position's acceptance, is trusted once its decayed count
+# reaches MIN_SEEN (about four recent steps); sums decay by DECAY at each observation; every
+# EXPLORE-th step drafts the longest, so that the later positions' acceptance and the longer
+# steps' times stay current (longer contexts, other prompts).
+MIN_SEEN, DECAY, EXPLORE = 3.5, 0.95, 16
 
 
 class Payoff:
-    """How many tokens to draft, per number of rows decoding, judged by what each length
-    yielded: output tokens per second of decode-only steps whose drafts were capped at it (0:
-    none), the steps that found no draft included, since that is what the choice yields. A
-    drafted column costs little where the weights' reads bound a step, and about a row's share
-    of the arithmetic where the multiply-adds do (a CPU's few-row products: each more column
-    added a fifth to a one-row step's products on AVX2, docs/benchmarks/speed.md), while each
-    further drafted token is kept less often than the one before: a shorter draft can pay where
-    a longer one does not. Which one depends on the machine, the model and the text, so it is
-    measured rather than modelled."""
+    """How many tokens to draft, per number of rows decoding: the length whose expected output
+    tokens per second is highest, from two things measured on this machine and this text:
+    - the seconds of a decode-only step by rows and by columns fed per row (1 + the longest
+      draft): a drafted column costs little where the weights' reads bound a step, and about a
+      row's share of the arithmetic where the multiply-adds do (a CPU's few-row products: a
+      five-column step's products cost 1.9 times a one-column step's on AVX2,
+      docs/benchmarks/speed.md);
+    - how often a draft's j-th token is kept when the ones before it were: later tokens are
+      kept less often, so a shorter draft can pay where a longer one does not.
+    A draft of length L yields 1 + the sum over j <= L of the chance that its first j tokens
+    are kept, in the time of a step of 1 + L columns; no draft yields one token in a step of
+    one column. Times of column counts not seen are drawn on the line through the nearest two
+    seen. Both are steadier than whole steps' yields (a step keeps 0 to L tokens), so the
+    choice does not follow one lucky run of steps."""
 
-    def __init__(self, lengths: tuple[int, ...] = (0, 4)) -> None:
-        self.lengths = lengths  # ascending, 0 first
-        self._sums: dict[tuple[int, int], list[float]] = {}  # (rows, length) -> tokens, s, steps
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self._seconds: dict[tuple[int, int], list[float]] = {}  # (rows, columns) -> s, count
+        self._reached = [0.0] * (k + 1)  # per position: drafts whose earlier tokens were kept
+        self._kept = [0.0] * (k + 1)  # of those, the drafts that kept this one too
         self._asked: dict[int, int] = {}
 
-    def observe(self, rows: int, length: int, tokens: int, seconds: float) -> None:
-        t = self._sums.setdefault((rows, length), [0.0, 0.0, 0.0])
-        t[0], t[1], t[2] = DECAY * t[0] + tokens, DECAY * t[1] + seconds, t[2] + 1
+    def observe(self, rows: int, columns: int, seconds: float) -> None:
+        t = self._seconds.setdefault((rows, columns), [0.0, 0.0])
+        t[0], t[1] = DECAY * t[0] + seconds, DECAY * t[1] + 1
 
-    def _rate(self, rows: int, length: int) -> float | None:
-        t = self._sums.get((rows, length))
-        return t[0] / t[1] if t is not None and t[2] >= MIN_STEPS and t[1] > 0 else None
+    def observe_draft(self, drafted: int, kept: int) -> None:
+        for j in range(1, min(drafted, self.k) + 1):
+            self._reached[j] = DECAY * self._reached[j] + (kept >= j - 1)
+            self._kept[j] = DECAY * self._kept[j] + (kept >= j)
+
+    def expected_tokens(self, length: int) -> float | None:
+        """Tokens a row's step yields with a draft of `length`; None before drafts were judged.
+        A position not reached yet is taken to be kept as often as the one before it."""
+        if self._reached[1] < MIN_SEEN:
+            return None
+        total = chance = rate = 1.0
+        for j in range(1, length + 1):
+            if self._reached[j] >= 1:
+                rate = self._kept[j] / self._reached[j]
+            chance *= rate
+            total += chance
+        return total
 
     def length(self, rows: int) -> int:
         """The draft length for the coming step of `rows` rows."""
-        rates = {n: self._rate(rows, n) for n in self.lengths}
-        unseen = [n for n in self.lengths if rates[n] is None]
-        if unseen:
-            return unseen[-1]  # learn what each yields, the longest first
+        if self.expected_tokens(1) is None:
+            return self.k  # learn what drafts keep
+        seconds = {c: t[0] / t[1] for (r, c), t in self._seconds.items()
+                   if r == rows and t[1] >= MIN_SEEN}
+        if 1 not in seconds:
+            return 0  # and what a step without one costs
+        if len(seconds) < 2:
+            return self.k  # and what a step with one costs
         self._asked[rows] = asked = self._asked.get(rows, 0) + 1
-        best = max(self.lengths, key=lambda n: rates[n])
-        if asked % EXPLORE:
-            return best
-        others = [n for n in self.lengths if n != best]
-        return others[(asked // EXPLORE - 1) % len(others)]
+        if asked % EXPLORE == 0:
+            return self.k
+        rates = {n: self.expected_tokens(n) / _on_line(seconds, 1 + n)
+                 for n in range(1, self.k + 1)}
+        rates[0] = 1.0 / seconds[1]
+        return max(rates, key=lambda n: (rates[n], -n))  # the shorter where equal
+
+
+def _on_line(seconds: dict[int, float], c: int) -> float:
+    """Seconds of a step of `c` columns: as seen, else on the line through the nearest two
+    column counts seen (at least two)."""
+    if c in seconds:
+        return seconds[c]
+    seen = sorted(seconds)
+    below, above = [x for x in seen if x < c], [x for x in seen if x > c]
+    a, b = (below[-1], above[0]) if below and above else (seen[-2], seen[-1]) if below \
+        else (seen[0], seen[1])
+    return max(seconds[a] + (seconds[b] - seconds[a]) * (c - a) / (b - a), 1e-9)
 
 
 def propose(context: list[int], k: int) -> list[int]:
@@ -189,25 +222,25 @@ class Speculator:
         self.accepted = 0  # of those, kept
         self._recent = [0.0, 0.0]  # decayed (proposed, accepted)
         self._paused = 0
-        self.payoff = Payoff(draft_lengths(self.k))
-        self._length = 0  # the draft length of the step under way
+        self.payoff = Payoff(self.k)
+        self._columns = 1  # columns the step under way feeds per row
         self.draft_model = draft_model
 
     def draft(self, rows: list[Sequence]) -> None:
         """Set each running row's draft for the coming step ([] where none is proposed)."""
-        self._length = (self.payoff.length(len(rows))
-                        if self.k and 0 < len(rows) <= self.max_rows and not self._pause()
-                        else 0)
+        length = (self.payoff.length(len(rows))
+                  if self.k and 0 < len(rows) <= self.max_rows and not self._pause() else 0)
         if self.draft_model is not None and self.draft_model.rows:
             self.draft_model.keep_only({(s.job.job_id, s.index) for s in rows})
         for s in rows:
-            s.draft = self._propose(s, self._length) if self._length else []
+            s.draft = self._propose(s, length) if length else []
+        self._columns = 1 + max((len(s.draft) for s in rows), default=0)
 
     def step_done(self, rows: int, tokens: int, seconds: float) -> None:
         """A decode-only step of `rows` rows made `tokens` tokens in `seconds`: what drafting
         (or not) yielded there."""
         if 0 < rows <= self.max_rows and self.k:
-            self.payoff.observe(rows, self._length, tokens, seconds)
+            self.payoff.observe(rows, self._columns, seconds)
 
     def _propose(self, s: Sequence, length: int) -> list[int]:
         if not plain(s) or s.status.finished:
@@ -232,7 +265,10 @@ class Speculator:
             return True
         return False
 
-    def record(self, proposed: int, accepted: int) -> None:
+    def record(self, drafts: list[list[int]], kept: int) -> None:
+        """A sub-batch verified `drafts` (one per row) and kept the first `kept` of each."""
+        proposed, accepted = sum(map(len, drafts)), kept * len(drafts)
+        self.payoff.observe_draft(min(map(len, drafts)), kept)
         self.proposed += proposed
         self.accepted += accepted
         self._recent = [0.9 * self._recent[0] + proposed, 0.9 * self._recent[1] + accepted]

@@ -22,7 +22,7 @@ from tests.engine.test_speculative import COPYING
 @pytest.fixture(autouse=True)
 def drafts_always_pay(monkeypatch):
     """These tests are about what drafts do, so every step may draft."""
-    monkeypatch.setattr(speculative.Payoff, "length", lambda self, rows: self.lengths[-1])
+    monkeypatch.setattr(speculative.Payoff, "length", lambda self, rows: self.k)
 
 
 def greedy(n: int) -> SamplingParams:
