@@ -138,7 +138,7 @@ class EngineCore:
         chunks run), laid out by the runner, one forward (or one per group without the packed
         path); then tokens are chosen, finished prompts start decoding, the prefix cache takes
         what ended, and the changes are published."""
-        t0, made = time.perf_counter(), self.decoder.generated_tokens
+        t0 = time.perf_counter()
         captures = self.runner.graph_captures()
         plan = self.scheduler.schedule()
         changed: dict[str, Job] = {job.job_id: job for job in plan.aborted}
@@ -172,8 +172,7 @@ class EngineCore:
                                                                           or plan.out_of_memory):
             last = self.decode_step_seconds
             self.decode_step_seconds = 0.9 * last + 0.1 * seconds if last else seconds
-            self.speculator.step_done(plan.decode_rows, self.decoder.generated_tokens - made,
-                                      seconds)
+            self.speculator.step_done(plan.decode_rows, seconds)
         return self.recorder.record(plan, self.batch, self.scheduler, seconds)
 
     def _execute(self, sbs: list[SubBatch], chunks: list[Chunk]) -> list:

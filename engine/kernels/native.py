@@ -10,8 +10,8 @@ small one of ours. And linear layers over weights in 4- and 8-bit blocks for for
 rows (`csrc/lowbit_linear.cpp`, engine.model.lowbit): PyTorch's own weight-only kernels are fast
 on AVX512 only. And a Llama layer's work before and after its attention, over those linear
 layers or over int8 ones (`csrc/int8_linear.cpp`, engine.model.w8a8), as two calls
-(`csrc/lean_layer.cpp`, engine.model.llama_layers): the same ATen operators, without the
-interpreter's cost per operator.
+(`csrc/lean_layer.cpp`, engine.model.llama_layers): the same arithmetic as the Python forward,
+without the interpreter's and dispatcher's cost per operator.
 
 They are written over ATen's `Vectorized<float>`, as PyTorch's own CPU kernels are, and built for
 the best vector instruction set the CPU has: AVX512 (F, BW, VL, DQ), else AVX2 (with FMA and

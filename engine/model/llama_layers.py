@@ -111,10 +111,11 @@ _INT8, _DENSE, _ONEDNN = 3, 4, 5  # csrc/lowbit_linear.h: int8, dense and prepac
 class _Native:
     """A layer whose four linear layers (stacked) the native library multiplies, without
     biases: a forward it takes runs its work around the attention in two calls of the library
-    (`csrc/lean_layer.cpp`), the same operators as the Python halves, so the results are equal
-    bit for bit and the interpreter's and dispatcher's cost per operator is gone. In int8 the
-    work between the products runs in fused passes instead, close to the Python halves' results
-    but not equal to them (w8a8 is judged by its distance from fp32).
+    (`csrc/lean_layer.cpp`), the same arithmetic as the Python halves (in blocks, passes over
+    the rows that round as their operators do), so the results are equal bit for bit and the
+    interpreter's and dispatcher's cost per operator is gone. In int8 the work between the
+    products runs in fused passes instead, close to the Python halves' results but not equal
+    to them (w8a8 is judged by its distance from fp32).
 
     Three sets of weights, each where the Python forward would use it:
     - `linears`, the layers in blocks (BlockLinear), for forwards of up to their `max_rows`
@@ -249,7 +250,7 @@ def lean_forward(layer: torch.nn.Module, hidden_states: torch.Tensor, attention_
     each a dot product over the same inputs as before; and the rotary embedding turns the
     query and key heads in one pass, element by element as before. Where the native library
     multiplies the layer's linear layers (in blocks, or in int8), the work before and after
-    the attention runs there (`_Native`), with the same operators."""
+    the attention runs there (`_Native`), with the same arithmetic."""
     attn = layer.self_attn
     # The cache's keyword: `cache` in newer 5.x releases, `past_key_values` in earlier ones.
     cache = kwargs.pop("cache", None)

@@ -63,28 +63,40 @@ class Payoff:
     def __init__(self, k: int) -> None:
         self.k = k
         self._seconds: dict[tuple[int, int], list[float]] = {}  # (rows, columns) -> s, count
-        self._reached = [0.0] * (k + 1)  # per position: drafts whose earlier tokens were kept
-        self._kept = [0.0] * (k + 1)  # of those, the drafts that kept this one too
+        # Per sub-batch size (0: all sizes) and draft position: drafts whose earlier tokens
+        # were kept, and of those, the drafts that kept this one too. A sub-batch keeps what
+        # all its rows agree with, so more rows keep less.
+        self._reached: dict[int, list[float]] = {}
+        self._kept: dict[int, list[float]] = {}
         self._asked: dict[int, int] = {}
 
     def observe(self, rows: int, columns: int, seconds: float) -> None:
         t = self._seconds.setdefault((rows, columns), [0.0, 0.0])
         t[0], t[1] = DECAY * t[0] + seconds, DECAY * t[1] + 1
 
-    def observe_draft(self, drafted: int, kept: int) -> None:
-        for j in range(1, min(drafted, self.k) + 1):
-            self._reached[j] = DECAY * self._reached[j] + (kept >= j - 1)
-            self._kept[j] = DECAY * self._kept[j] + (kept >= j)
+    def observe_draft(self, rows: int, drafted: int, kept: int) -> None:
+        """A sub-batch of `rows` rows fed drafts of at least `drafted` tokens, kept `kept`."""
+        for size in (rows, 0):
+            reached = self._reached.setdefault(size, [0.0] * (self.k + 1))
+            kept_ = self._kept.setdefault(size, [0.0] * (self.k + 1))
+            for j in range(1, min(drafted, self.k) + 1):
+                reached[j] = DECAY * reached[j] + (kept >= j - 1)
+                kept_[j] = DECAY * kept_[j] + (kept >= j)
 
-    def expected_tokens(self, length: int) -> float | None:
-        """Tokens a row's step yields with a draft of `length`; None before drafts were judged.
-        A position not reached yet is taken to be kept as often as the one before it."""
-        if self._reached[1] < MIN_SEEN:
+    def expected_tokens(self, length: int, rows: int = 0) -> float | None:
+        """Tokens a row's step yields with a draft of `length` in a sub-batch of `rows` rows
+        (all sizes pooled until that size has been seen); None before drafts were judged. A
+        position seen fewer than MIN_SEEN times is taken to be kept as often as the one before
+        it."""
+        if self._reached.get(rows, [0.0, 0.0])[1] < MIN_SEEN:
+            rows = 0
+        reached, kept = self._reached.get(rows), self._kept.get(rows)
+        if reached is None or reached[1] < MIN_SEEN:
             return None
         total = chance = rate = 1.0
         for j in range(1, length + 1):
-            if self._reached[j] >= 1:
-                rate = self._kept[j] / self._reached[j]
+            if reached[j] >= MIN_SEEN:
+                rate = kept[j] / reached[j]
             chance *= rate
             total += chance
         return total
@@ -102,22 +114,23 @@ class Payoff:
         self._asked[rows] = asked = self._asked.get(rows, 0) + 1
         if asked % EXPLORE == 0:
             return self.k
-        rates = {n: self.expected_tokens(n) / _on_line(seconds, 1 + n)
+        rates = {n: self.expected_tokens(n, rows) / _on_line(seconds, 1 + n)
                  for n in range(1, self.k + 1)}
         rates[0] = 1.0 / seconds[1]
         return max(rates, key=lambda n: (rates[n], -n))  # the shorter where equal
 
 
 def _on_line(seconds: dict[int, float], c: int) -> float:
-    """Seconds of a step of `c` columns: as seen, else on the line through the nearest two
-    column counts seen (at least two)."""
+    """Seconds of a step of `c` columns (more than one column seen, the first among them): as
+    seen, else on the line through the nearest two column counts seen, and never less than
+    the largest count seen below it took (noise can tilt the line down)."""
     if c in seconds:
         return seconds[c]
     seen = sorted(seconds)
     below, above = [x for x in seen if x < c], [x for x in seen if x > c]
-    a, b = (below[-1], above[0]) if below and above else (seen[-2], seen[-1]) if below \
-        else (seen[0], seen[1])
-    return max(seconds[a] + (seconds[b] - seconds[a]) * (c - a) / (b - a), 1e-9)
+    a, b = (below[-1], above[0]) if above else (below[-2], below[-1])
+    line = seconds[a] + (seconds[b] - seconds[a]) * (c - a) / (b - a)
+    return max(line, seconds[below[-1]])
 
 
 def propose(context: list[int], k: int) -> list[int]:
@@ -234,11 +247,11 @@ class Speculator:
             self.draft_model.keep_only({(s.job.job_id, s.index) for s in rows})
         for s in rows:
             s.draft = self._propose(s, length) if length else []
-        self._columns = 1 + max((len(s.draft) for s in rows), default=0)
+        self._columns = 1  # until `record` sees drafts fed: a sub-batch drops them unless all
+        # of its rows have one (engine.model.decode_inputs)
 
-    def step_done(self, rows: int, tokens: int, seconds: float) -> None:
-        """A decode-only step of `rows` rows made `tokens` tokens in `seconds`: what drafting
-        (or not) yielded there."""
+    def step_done(self, rows: int, seconds: float) -> None:
+        """A decode-only step of `rows` rows took `seconds`: what its columns cost."""
         if 0 < rows <= self.max_rows and self.k:
             self.payoff.observe(rows, self._columns, seconds)
 
@@ -268,7 +281,8 @@ class Speculator:
     def record(self, drafts: list[list[int]], kept: int) -> None:
         """A sub-batch verified `drafts` (one per row) and kept the first `kept` of each."""
         proposed, accepted = sum(map(len, drafts)), kept * len(drafts)
-        self.payoff.observe_draft(min(map(len, drafts)), kept)
+        self._columns = max(self._columns, 1 + max(map(len, drafts)))
+        self.payoff.observe_draft(len(drafts), min(map(len, drafts)), kept)
         self.proposed += proposed
         self.accepted += accepted
         self._recent = [0.9 * self._recent[0] + proposed, 0.9 * self._recent[1] + accepted]

@@ -44,9 +44,9 @@ def test_the_payoff_drafts_the_length_with_the_most_tokens_per_second():
     assert payoff.length(1) == 4  # nothing seen: learn what drafts keep
     for _ in range(3):  # each drafted token kept half the time once the ones before it were
         for kept in (0, 1, 0, 2, 0, 1, 0, 3, 0, 1, 0, 2, 0, 1, 0, 4):
-            payoff.observe_draft(4, kept)
+            payoff.observe_draft(1, 4, kept)
     for n, want in ((1, 1.5), (2, 1.75), (4, 1.9375)):
-        assert payoff.expected_tokens(n) == pytest.approx(want, abs=0.1)  # decay weighs order
+        assert payoff.expected_tokens(n, 1) == pytest.approx(want, abs=0.1)  # decay: order
     assert payoff.length(1) == 0  # then what a step without a draft costs
     for _ in range(4):
         payoff.observe(1, 1, 0.010)
@@ -63,6 +63,20 @@ def test_the_payoff_drafts_the_length_with_the_most_tokens_per_second():
         assert payoff.length(rows) == want
     payoff.observe(3, 1, 0.030)  # seen once: not yet trusted
     assert payoff.length(3) == 0
+
+
+def test_the_payoff_counts_the_columns_fed_and_keeps_longer_steps_no_cheaper():
+    spec = speculative.Speculator(EngineConfig(num_speculative_tokens=4), 2048)
+    spec.draft([])
+    spec.record([[1, 2, 3], [4]], 1)  # a sub-batch fed drafts of 3 and 1 tokens
+    spec.step_done(2, 0.020)
+    spec.draft([])  # drafts proposed but dropped (a row without one) are never recorded
+    spec.step_done(2, 0.010)
+    assert sorted(c for r, c in spec.payoff._seconds) == [1, 4]
+    assert spec.payoff.expected_tokens(1, 2) is None  # one draft seen: not trusted yet
+    # a line through 3 and 4 columns that falls does not make 5 cheaper than 4
+    assert speculative._on_line({1: 0.010, 3: 0.030, 4: 0.025}, 5) == 0.025
+    assert speculative._on_line({1: 0.010, 3: 0.030}, 2) == pytest.approx(0.020)
 
 
 def greedy(n: int, **kw) -> SamplingParams:

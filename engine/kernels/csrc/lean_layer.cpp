@@ -26,18 +26,23 @@
 #include <optional>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include "lowbit_linear.h"
 #include "vec.h"
 
 namespace {
 
-using seqgate::kLanes;
-using seqgate::load;
-using seqgate::round_to;
-using seqgate::silu;
-using seqgate::store;
-using seqgate::Vec;
+using namespace seqgate;
+
+// One linear layer's weights as the library takes them (kind, q, d, m: lowbit_linear.h).
+struct Linear {
+  int64_t kind;
+  const at::Tensor& q;
+  const std::optional<at::Tensor>& d;
+  const std::optional<at::Tensor>& m;
+  at::Tensor times(const at::Tensor& x) const { return block_product(x, kind, q, d, m); }
+};
 
 // LlamaRMSNorm's forward, operation for operation (llama_layers._rms_norm).
 at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
@@ -51,7 +56,7 @@ at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double e
 at::Tensor product(const at::Tensor& x, int64_t kind, const at::Tensor& q,
                    const std::optional<at::Tensor>& d, const std::optional<at::Tensor>& m) {
   const at::Tensor out =
-      seqgate::block_product(x.reshape({-1, x.size(-1)}).contiguous(), kind, q, d, m);
+      block_product(x.reshape({-1, x.size(-1)}).contiguous(), kind, q, d, m);
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = out.size(1);
   return out.view(shape);
@@ -67,15 +72,21 @@ at::Tensor product(const at::Tensor& x, int64_t kind, const at::Tensor& q,
 // additions they would otherwise have to copy: the results stay equal bit for bit.
 
 // Whether the passes take a forward of `hidden` whose products are of `kind`: [rows, tokens,
-// cols] in fp32 or bf16, whole vectors in its columns and in each half of a head.
-bool passes_fit(const at::Tensor& hidden, int64_t kind, int64_t head_dim) {
-  return (kind == seqgate::kQ4 || kind == seqgate::kQ8 || kind == seqgate::kH16) &&
-         hidden.dim() == 3 &&
+// cols] in fp32 or bf16, whole vectors in its columns and in each half of a head, and a norm
+// weight of its size and dtype. Shapes the layer's products would refuse are left to them.
+bool passes_fit(const at::Tensor& hidden, int64_t kind, int64_t head_dim,
+                const at::Tensor& norm) {
+  return (kind == kQ4 || kind == kQ8 || kind == kH16) && hidden.dim() == 3 &&
          (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16) &&
-         hidden.size(-1) % kLanes == 0 && head_dim % (2 * kLanes) == 0;
+         hidden.size(-1) % kLanes == 0 && head_dim % (2 * kLanes) == 0 &&
+         norm.numel() == hidden.size(-1) && norm.scalar_type() == hidden.scalar_type();
 }
 
 constexpr int64_t kRowGrain = 16;  // rows a thread takes in the passes: a step's few stay on one
+// ATen's SiLU computes whole runs of two vectors (up to 64 bf16 values) with its vectorised exp
+// and the rest with std::exp, and splits a tensor over threads from GRAIN_SIZE elements on: the
+// pass's vectorised exp equals it where every row is whole runs and no split falls in a row.
+constexpr int64_t kSiluVector = 64;
 
 // LlamaRMSNorm of h's rows ([m, cols], contiguous T) with `weight` (llama_layers._rms_norm).
 template <typename T>
@@ -106,14 +117,13 @@ at::Tensor norm_rows(const at::Tensor& h, const at::Tensor& weight, double eps) 
 
 template <typename T>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> block_inputs(
-    const at::Tensor& hidden, const at::Tensor& norm, double eps, int64_t kind,
-    const at::Tensor& q, const std::optional<at::Tensor>& d, const std::optional<at::Tensor>& m,
+    const at::Tensor& hidden, const at::Tensor& norm, double eps, const Linear& projection,
     int64_t q_heads, int64_t kv_heads, int64_t head_dim, const at::Tensor& cos,
     const at::Tensor& signed_sin) {
   const int64_t batch = hidden.size(0), tokens = hidden.size(1), cols = hidden.size(2);
   const int64_t rows = batch * tokens;
   const at::Tensor x = norm_rows<T>(hidden.reshape({rows, cols}).contiguous(), norm, eps);
-  at::Tensor qkv = seqgate::block_product(x, kind, q, d, m);  // a new tensor: turned in place
+  at::Tensor qkv = projection.times(x);  // a new tensor: turned in place
   const int64_t n = qkv.size(1), turned = (q_heads + kv_heads) * head_dim, half = head_dim / 2;
   // [batch, tokens, head_dim] views of the tables ([rows or 1, 1, tokens, head_dim]).
   const at::Tensor cs = cos.contiguous().expand({batch, 1, tokens, head_dim}).select(1, 0);
@@ -153,31 +163,29 @@ void add_into(const at::Tensor& a, at::Tensor& into) {
 }
 
 template <typename T>
-at::Tensor block_output(
-    const at::Tensor& attention, const at::Tensor& residual, int64_t o_kind,
-    const at::Tensor& o_q, const std::optional<at::Tensor>& o_d,
-    const std::optional<at::Tensor>& o_m, const at::Tensor& norm, double eps,
-    int64_t gate_up_kind, const at::Tensor& gate_up_q, const std::optional<at::Tensor>& gate_up_d,
-    const std::optional<at::Tensor>& gate_up_m, int64_t down_kind, const at::Tensor& down_q,
-    const std::optional<at::Tensor>& down_d, const std::optional<at::Tensor>& down_m) {
+at::Tensor block_output(const at::Tensor& attention, const at::Tensor& residual, const Linear& o,
+                        const at::Tensor& norm, double eps, const Linear& gate_up_projection,
+                        const Linear& down) {
   const int64_t cols = residual.size(-1), rows = residual.numel() / cols;
   const at::Tensor res = residual.reshape({rows, cols}).contiguous();
-  at::Tensor hidden = seqgate::block_product(attention.reshape({rows, -1}).contiguous(), o_kind,
-                                             o_q, o_d, o_m);
+  at::Tensor hidden = o.times(attention.reshape({rows, -1}).contiguous());
   add_into<T>(res, hidden);
-  const at::Tensor gate_up = seqgate::block_product(norm_rows<T>(hidden, norm, eps), gate_up_kind,
-                                                    gate_up_q, gate_up_d, gate_up_m);
+  const at::Tensor gate_up = gate_up_projection.times(norm_rows<T>(hidden, norm, eps));
   const int64_t inner = gate_up.size(1) / 2;
-  at::Tensor act = at::empty({rows, inner}, hidden.options());
-  const T* gp = gate_up.const_data_ptr<T>();
-  T* ap = act.data_ptr<T>();
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
+  at::Tensor act;
+  if (inner % kSiluVector == 0 && rows * inner <= at::internal::GRAIN_SIZE) {
+    act = at::empty({rows, inner}, hidden.options());
+    const T* gp = gate_up.const_data_ptr<T>();
+    T* ap = act.data_ptr<T>();
+    for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < inner; c += kLanes)  // F.silu(gate) * up, each rounded to T
         store(ap + r * inner + c, round_to<T>(silu(load(gp + r * 2 * inner + c))) *
                                       load(gp + r * 2 * inner + inner + c));
-  });
-  at::Tensor out = seqgate::block_product(act, down_kind, down_q, down_d, down_m);
+  } else {  // where ATen's SiLU would take its scalar exp for some elements
+    const std::vector<at::Tensor> halves = gate_up.chunk(2, -1);
+    act = at::silu(halves[0]) * halves[1];
+  }
+  at::Tensor out = down.times(act);
   add_into<T>(hidden, out);
   return out.view(residual.sizes());
 }
@@ -191,17 +199,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lean_attention_inputs(
     const at::Tensor& q, const std::optional<at::Tensor>& d, const std::optional<at::Tensor>& m,
     int64_t q_heads, int64_t kv_heads, int64_t head_dim, const at::Tensor& cos,
     const at::Tensor& signed_sin) {
-  if (kind == seqgate::kInt8 && d.has_value() &&
-      seqgate::int8_layer_fits(hidden, head_dim, q))
-    return seqgate::int8_attention_inputs(hidden, norm, eps, q, *d, q_heads, kv_heads, head_dim,
-                                          cos, signed_sin);
-  if (passes_fit(hidden, kind, head_dim) && norm.scalar_type() == hidden.scalar_type() &&
-      cos.scalar_type() == hidden.scalar_type() &&
-      signed_sin.scalar_type() == hidden.scalar_type())
+  if (kind == kInt8 && d.has_value() &&
+      int8_layer_fits(hidden, head_dim, q))
+    return int8_attention_inputs(hidden, norm, eps, q, *d, q_heads, kv_heads, head_dim, cos,
+                                 signed_sin);
+  if (passes_fit(hidden, kind, head_dim, norm) && cos.scalar_type() == hidden.scalar_type() &&
+      signed_sin.scalar_type() == hidden.scalar_type() &&
+      q.size(0) >= (q_heads + kv_heads) * head_dim)
     return hidden.scalar_type() == at::kFloat
-               ? block_inputs<float>(hidden, norm, eps, kind, q, d, m, q_heads, kv_heads,
+               ? block_inputs<float>(hidden, norm, eps, {kind, q, d, m}, q_heads, kv_heads,
                                      head_dim, cos, signed_sin)
-               : block_inputs<at::BFloat16>(hidden, norm, eps, kind, q, d, m, q_heads,
+               : block_inputs<at::BFloat16>(hidden, norm, eps, {kind, q, d, m}, q_heads,
                                             kv_heads, head_dim, cos, signed_sin);
   const at::Tensor x = rms_norm(hidden, norm, eps);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
@@ -224,18 +232,19 @@ at::Tensor lean_attention_output(
     int64_t gate_up_kind, const at::Tensor& gate_up_q, const std::optional<at::Tensor>& gate_up_d,
     const std::optional<at::Tensor>& gate_up_m, int64_t down_kind, const at::Tensor& down_q,
     const std::optional<at::Tensor>& down_d, const std::optional<at::Tensor>& down_m) {
-  if (o_kind == seqgate::kInt8 && gate_up_kind == seqgate::kInt8 &&
-      down_kind == seqgate::kInt8 && o_d.has_value() && gate_up_d.has_value() &&
-      down_d.has_value() && seqgate::int8_layer_fits(residual, 0, gate_up_q))
-    return seqgate::int8_attention_output(attention, residual, o_q, *o_d, norm, eps, gate_up_q,
-                                          *gate_up_d, down_q, *down_d);
-  if (passes_fit(residual, o_kind, 0) && o_kind == gate_up_kind && o_kind == down_kind &&
-      norm.scalar_type() == residual.scalar_type() &&
-      attention.scalar_type() == residual.scalar_type()) {
+  if (o_kind == kInt8 && gate_up_kind == kInt8 &&
+      down_kind == kInt8 && o_d.has_value() && gate_up_d.has_value() &&
+      down_d.has_value() && int8_layer_fits(residual, 0, gate_up_q))
+    return int8_attention_output(attention, residual, o_q, *o_d, norm, eps, gate_up_q,
+                                 *gate_up_d, down_q, *down_d);
+  if (passes_fit(residual, o_kind, 0, norm) && o_kind == gate_up_kind && o_kind == down_kind &&
+      attention.scalar_type() == residual.scalar_type() && o_q.size(0) == residual.size(-1) &&
+      down_q.size(0) == residual.size(-1) && gate_up_q.size(0) % (2 * kLanes) == 0) {
     const auto run = [&](auto* type) {
       using T = std::remove_pointer_t<decltype(type)>;
-      return block_output<T>(attention, residual, o_kind, o_q, o_d, o_m, norm, eps, gate_up_kind,
-                             gate_up_q, gate_up_d, gate_up_m, down_kind, down_q, down_d, down_m);
+      return block_output<T>(attention, residual, {o_kind, o_q, o_d, o_m}, norm, eps,
+                             {gate_up_kind, gate_up_q, gate_up_d, gate_up_m},
+                             {down_kind, down_q, down_d, down_m});
     };
     return residual.scalar_type() == at::kFloat ? run(static_cast<float*>(nullptr))
                                                 : run(static_cast<at::BFloat16*>(nullptr));

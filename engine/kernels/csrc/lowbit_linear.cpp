@@ -157,12 +157,12 @@ inline void weights_of(const Weights& w, int64_t o, int64_t b, Vecs<kPer>& wv) {
 // y[r, o] for R input rows and output rows [begin, end): each block's weights are rebuilt once
 // and serve all R rows. Each row's sums are split so that a step has enough independent sums to
 // keep the multiply-add units busy: one or two rows get a partial sum per vector of the block,
-// three to five two each (one each left 3 rows waiting on the adds' latency: 8.4 against
-// 7.1 ms a pass over the embedded model's layers, AVX2), more rows one each.
+// three or four two each (one each left 3 rows waiting on the adds' latency: 8.4 against
+// 7.1 ms a pass over the embedded model's layers, AVX2; 5 rows gained nothing), more one each.
 template <Kind K, int R>
 void rows(const Weights& w, const float* x, int64_t ldx, float* y, int64_t ldy,
           int64_t begin, int64_t end) {
-  constexpr int A = R <= 2 ? kPer : R <= 5 ? std::min(2, kPer) : 1;
+  constexpr int A = R <= 2 ? kPer : R <= 4 ? std::min(2, kPer) : 1;
   for (int64_t o = begin; o < end; ++o) {
     Vecs<R * A> acc;
     for (int i = 0; i < R * A; ++i) acc[i] = Vec(0.f);
