@@ -200,7 +200,8 @@ def test_the_embedded_model_is_q4_1_with_a_q8_0_head(smollm2):
     if smollm2.dtype != torch.float32:
         pytest.skip("the blocks serve fp32 models")
     loaded = _fresh(smollm2)
-    report = prepare(loaded, EngineConfig()).lowbit
+    prepared = prepare(loaded, EngineConfig())
+    report = prepared.lowbit
     blocks = [m for m in loaded.model.modules() if isinstance(m, BlockLinear)]
     assert report.mode == "exact" and report.q4_layers == 210 and report.q8_layers == 1
     head = loaded.model.get_output_embeddings()
@@ -210,7 +211,13 @@ def test_the_embedded_model_is_q4_1_with_a_q8_0_head(smollm2):
     assert report.max_rows in (0, *lowbit.CANDIDATE_ROWS) and len(blocks) >= 211
     with original_model(loaded.model):
         assert all(m.max_rows == 0 for m in blocks)
-    assert all(m.max_rows == report.max_rows for m in blocks)
+    # The native layers' linear layers take the limit timed over their whole work around the
+    # attention (which can differ from the products' own on a host); the rest keep the products'.
+    native = {id(b) for m in loaded.model.modules()
+              if (n := vars(m).get("_lean_native")) is not None for b in n.linears}
+    for m in blocks:
+        want = prepared.native.max_rows if id(m) in native else report.max_rows
+        assert m.max_rows == want, (m, prepared.native)
     again = prepare(loaded, EngineConfig()).lowbit  # a second engine over the same model
     assert (again.mode, again.q4_layers, again.q8_layers) == ("exact", 210, 1)
     off = _fresh(smollm2)
