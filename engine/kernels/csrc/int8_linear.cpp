@@ -12,13 +12,14 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <tuple>
-#include <type_traits>
 #include <vector>
 
 #include "lowbit_linear.h"
@@ -28,6 +29,7 @@ namespace {
 
 using seqgate::kLanes;
 using seqgate::load;
+using seqgate::rotate_head;
 using seqgate::round_to;
 using seqgate::silu;
 using seqgate::store;
@@ -249,21 +251,53 @@ at::Tensor widened_mm(const at::Tensor& a, const at::Tensor& w) {
 }
 #endif
 
-// a [rows, in] times w [in, out], int8, summed in int32: oneDNN's where it sums exactly, else
-// the widened product.
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// The best of three calls' seconds, after one.
+template <typename F>
+double best_seconds(F&& f) {
+  f();
+  double best = 1e30;
+  for (int i = 0; i < 3; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    f();
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+                              .count());
+  }
+  return best;
+}
+
+// Whether int8_mm takes ATen's product, decided once: where it sums exactly and is the faster
+// of the two on a layer-sized product (32 rows × 576 × 576). Exact is not enough: on an
+// AVX2-only AMD EPYC (Zen 3) oneDNN's is exact but a reference loop, about 3 GOPS against the
+// widened product's 250. SEQGATE_INT8_PRODUCT=int16 takes the widened one wherever it is built.
+bool aten_product_chosen() {
+  static const bool chosen = [] {
+    const char* forced = std::getenv("SEQGATE_INT8_PRODUCT");
+    if ((forced != nullptr && std::string(forced) == "int16") || !int_mm_exact()) return false;
+    const at::Tensor a = at::randint(-127, 128, {32, 576}, at::TensorOptions().dtype(at::kChar));
+    const at::Tensor w = at::randint(-127, 128, {576, 576}, at::TensorOptions().dtype(at::kChar));
+    return best_seconds([&] { at::_int_mm(a, w); }) <= best_seconds([&] { widened_mm(a, w); });
+  }();
+  return chosen;
+}
+#endif
+
+// a [rows, in] times w [in, out], int8, summed in int32: oneDNN's where it sums exactly and is
+// the faster, else the widened product.
 at::Tensor int8_mm(const at::Tensor& a, const at::Tensor& w) {
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-  if (!int_mm_exact()) return widened_mm(a, w);
+  if (!aten_product_chosen()) return widened_mm(a, w);
 #endif
   return at::_int_mm(a, w);
 }
 
-// Which product int8_mm takes here: "onednn" (ATen's `_int_mm`, exact on x86 with VNNI or AMX),
-// "int16" (the widened one, on other x86 CPUs), "aten" (`_int_mm`, exact, elsewhere), or "none"
-// (`_int_mm` inexact and nothing in its place: the engine does not use this library's product).
+// Which product int8_mm takes here: "onednn" (ATen's `_int_mm`, exact and faster, on x86 with
+// VNNI or AMX), "int16" (the widened one, on other x86 CPUs), "aten" (`_int_mm`, exact,
+// elsewhere), or "none" (`_int_mm` inexact and nothing in its place: the engine does not use
+// this library's product).
 std::string int8_product_kind() {
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-  return int_mm_exact() ? "onednn" : "int16";
+  return aten_product_chosen() ? "onednn" : "int16";
 #else
   return int_mm_exact() ? "aten" : "none";
 #endif
@@ -287,19 +321,14 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
     TORCH_CHECK(bias->numel() == n, "int8_linear: one bias per output channel expected");
     b = bias->to(rows.scalar_type()).contiguous();
   }
-  auto run = [&](auto* rows_of_type) {
-    using T = std::remove_pointer_t<decltype(rows_of_type)>;
-    quantise_rows(rows.const_data_ptr<T>(), m, k, q.data_ptr<int8_t>(),
+  SEQGATE_DISPATCH_FLOAT_BF16(rows.scalar_type(), "int8_linear", [&] {
+    quantise_rows(rows.const_data_ptr<scalar_t>(), m, k, q.data_ptr<int8_t>(),
                   row_scales.data_ptr<float>());
     const at::Tensor sums = int8_mm(q, weight);
     scale_back(sums.const_data_ptr<int32_t>(), m, n, row_scales.const_data_ptr<float>(),
-               scales.const_data_ptr<float>(), b ? b->const_data_ptr<T>() : nullptr,
-               out.data_ptr<T>());
-  };
-  if (rows.scalar_type() == at::kFloat)
-    run(static_cast<float*>(nullptr));
-  else
-    run(static_cast<at::BFloat16*>(nullptr));
+               scales.const_data_ptr<float>(), b ? b->const_data_ptr<scalar_t>() : nullptr,
+               out.data_ptr<scalar_t>());
+  });
   return out;
 }
 
@@ -404,15 +433,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_inputs(
       const T* c_row = cp + b * cs.stride(0) + t * cs.stride(1);
       const T* s_row = snp + b * sn.stride(0) + t * sn.stride(1);
       T* o = op + r * n;
-      // Query and key heads turned: x * cos + roll(x, half) * signed_sin, each product and the
-      // sum rounded to T (llama_layers._rotate); value heads as they are.
+      // Query and key heads turned; value heads as they are.
       for (int64_t head = 0; head < turned; head += head_dim)
-        for (int64_t j = 0; j < head_dim; j += kLanes) {
-          const float* rolled = x.data() + head + (j < half ? j + half : j - half);
-          const Vec a = round_to<T>(Vec::loadu(x.data() + head + j) * load(c_row + j));
-          const Vec s = round_to<T>(Vec::loadu(rolled) * load(s_row + j));
-          store(o + head + j, a + s);
-        }
+        rotate_head(x.data() + head, o + head, c_row, s_row, half);
       for (int64_t c = turned; c < n; c += kLanes) store(o + c, Vec::loadu(x.data() + c));
     }
   });
@@ -529,11 +552,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_attention_inputs(
   check_int8_layer(weight, scales, hidden.size(-1), -1);
   TORCH_CHECK(weight.size(1) >= (q_heads + kv_heads) * head_dim,
               "int8 attention inputs: a weight for the query, key and value heads expected");
-  if (hidden.scalar_type() == at::kFloat)
-    return attention_inputs<float>(hidden, norm, eps, weight, scales, q_heads, kv_heads,
-                                   head_dim, cos, signed_sin);
-  return attention_inputs<at::BFloat16>(hidden, norm, eps, weight, scales, q_heads, kv_heads,
-                                        head_dim, cos, signed_sin);
+  return SEQGATE_DISPATCH_FLOAT_BF16(hidden.scalar_type(), "int8_attention_inputs", [&] {
+    return attention_inputs<scalar_t>(hidden, norm, eps, weight, scales, q_heads, kv_heads,
+                                      head_dim, cos, signed_sin);
+  });
 }
 
 at::Tensor int8_attention_output(const at::Tensor& attention, const at::Tensor& residual,
@@ -550,12 +572,10 @@ at::Tensor int8_attention_output(const at::Tensor& attention, const at::Tensor& 
   check_int8_layer(o_weight, o_scales, attention.numel() / (residual.numel() / cols), cols);
   check_int8_layer(gate_up_weight, gate_up_scales, cols, -1);
   check_int8_layer(down_weight, down_scales, gate_up_weight.size(1) / 2, cols);
-  if (residual.scalar_type() == at::kFloat)
-    return attention_output<float>(attention, residual, o_weight, o_scales, norm, eps,
-                                   gate_up_weight, gate_up_scales, down_weight, down_scales);
-  return attention_output<at::BFloat16>(attention, residual, o_weight, o_scales, norm, eps,
-                                        gate_up_weight, gate_up_scales, down_weight,
-                                        down_scales);
+  return SEQGATE_DISPATCH_FLOAT_BF16(residual.scalar_type(), "int8_attention_output", [&] {
+    return attention_output<scalar_t>(attention, residual, o_weight, o_scales, norm, eps,
+                                      gate_up_weight, gate_up_scales, down_weight, down_scales);
+  });
 }
 
 at::Tensor int8_product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,

@@ -25,7 +25,6 @@
 
 #include <optional>
 #include <tuple>
-#include <type_traits>
 #include <vector>
 
 #include "lowbit_linear.h"
@@ -41,7 +40,15 @@ struct Linear {
   const at::Tensor& q;
   const std::optional<at::Tensor>& d;
   const std::optional<at::Tensor>& m;
+  // x's rows ([rows, in], contiguous) times the weights.
   at::Tensor times(const at::Tensor& x) const { return block_product(x, kind, q, d, m); }
+  // BlockLinear.forward on its kernel path: rows flattened, multiplied, shaped back.
+  at::Tensor operator()(const at::Tensor& x) const {
+    const at::Tensor out = times(x.reshape({-1, x.size(-1)}).contiguous());
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = out.size(1);
+    return out.view(shape);
+  }
 };
 
 // LlamaRMSNorm's forward, operation for operation (llama_layers._rms_norm).
@@ -52,15 +59,6 @@ at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double e
   return weight * x.to(hidden.scalar_type());
 }
 
-// BlockLinear.forward on its kernel path: rows flattened, multiplied, shaped back.
-at::Tensor product(const at::Tensor& x, int64_t kind, const at::Tensor& q,
-                   const std::optional<at::Tensor>& d, const std::optional<at::Tensor>& m) {
-  const at::Tensor out =
-      block_product(x.reshape({-1, x.size(-1)}).contiguous(), kind, q, d, m);
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = out.size(1);
-  return out.view(shape);
-}
 
 // -- Layers in blocks: the work between the products in passes over the rows ------------------
 //
@@ -136,17 +134,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_inputs(
       const int64_t b = r / tokens, t = r % tokens;
       const T* c = cp + b * cs.stride(0) + t * cs.stride(1);
       const T* s = snp + b * sn.stride(0) + t * sn.stride(1);
-      // x * cos + roll(x, half) * signed_sin (llama_layers._rotate), each product and the sum
-      // rounded to T: the first half's partner is the second half, and the other way round.
-      for (int64_t head = 0; head < turned; head += head_dim) {
-        T* h = xp + r * n + head;
-        for (int64_t j = 0; j < half; j += kLanes) {
-          const Vec lo = load(h + j), hi = load(h + half + j);
-          store(h + j, round_to<T>(lo * load(c + j)) + round_to<T>(hi * load(s + j)));
-          store(h + half + j,
-                round_to<T>(hi * load(c + half + j)) + round_to<T>(lo * load(s + half + j)));
-        }
-      }
+      for (int64_t head = 0; head < turned; head += head_dim)  // turned in place
+        rotate_head(xp + r * n + head, xp + r * n + head, c, s, half);
     }
   });
   const at::Tensor heads = qkv.view({batch, tokens, -1, head_dim}).transpose(1, 2);
@@ -206,16 +195,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lean_attention_inputs(
   if (passes_fit(hidden, kind, head_dim, norm) && cos.scalar_type() == hidden.scalar_type() &&
       signed_sin.scalar_type() == hidden.scalar_type() &&
       q.size(0) >= (q_heads + kv_heads) * head_dim)
-    return hidden.scalar_type() == at::kFloat
-               ? block_inputs<float>(hidden, norm, eps, {kind, q, d, m}, q_heads, kv_heads,
-                                     head_dim, cos, signed_sin)
-               : block_inputs<at::BFloat16>(hidden, norm, eps, {kind, q, d, m}, q_heads,
-                                            kv_heads, head_dim, cos, signed_sin);
+    return SEQGATE_DISPATCH_FLOAT_BF16(hidden.scalar_type(), "lean_attention_inputs", [&] {
+      return block_inputs<scalar_t>(hidden, norm, eps, {kind, q, d, m}, q_heads, kv_heads,
+                                    head_dim, cos, signed_sin);
+    });
   const at::Tensor x = rms_norm(hidden, norm, eps);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(-1);
   shape.push_back(head_dim);
-  const at::Tensor qkv = product(x, kind, q, d, m).view(shape).transpose(1, 2);
+  const at::Tensor qkv = Linear{kind, q, d, m}(x).view(shape).transpose(1, 2);
   const int64_t heads = q_heads + kv_heads;
   const at::Tensor both = qkv.slice(1, 0, heads);
   const at::Tensor turned = both * cos + at::roll(both, {both.size(-1) / 2}, {-1}) * signed_sin;
@@ -240,23 +228,20 @@ at::Tensor lean_attention_output(
   if (passes_fit(residual, o_kind, 0, norm) && o_kind == gate_up_kind && o_kind == down_kind &&
       attention.scalar_type() == residual.scalar_type() && o_q.size(0) == residual.size(-1) &&
       down_q.size(0) == residual.size(-1) && gate_up_q.size(0) % (2 * kLanes) == 0) {
-    const auto run = [&](auto* type) {
-      using T = std::remove_pointer_t<decltype(type)>;
-      return block_output<T>(attention, residual, {o_kind, o_q, o_d, o_m}, norm, eps,
-                             {gate_up_kind, gate_up_q, gate_up_d, gate_up_m},
-                             {down_kind, down_q, down_d, down_m});
-    };
-    return residual.scalar_type() == at::kFloat ? run(static_cast<float*>(nullptr))
-                                                : run(static_cast<at::BFloat16*>(nullptr));
+    return SEQGATE_DISPATCH_FLOAT_BF16(residual.scalar_type(), "lean_attention_output", [&] {
+      return block_output<scalar_t>(attention, residual, {o_kind, o_q, o_d, o_m}, norm, eps,
+                                    {gate_up_kind, gate_up_q, gate_up_d, gate_up_m},
+                                    {down_kind, down_q, down_d, down_m});
+    });
   }
   std::vector<int64_t> shape(residual.sizes().begin(), residual.sizes().end() - 1);
   shape.push_back(-1);
   const at::Tensor out = attention.reshape(shape).contiguous();
-  const at::Tensor hidden = residual + product(out, o_kind, o_q, o_d, o_m);
+  const at::Tensor hidden = residual + Linear{o_kind, o_q, o_d, o_m}(out);
   const at::Tensor x = rms_norm(hidden, norm, eps);
   const std::vector<at::Tensor> gate_up =
-      product(x, gate_up_kind, gate_up_q, gate_up_d, gate_up_m).chunk(2, -1);
-  return hidden + product(at::silu(gate_up[0]) * gate_up[1], down_kind, down_q, down_d, down_m);
+      Linear{gate_up_kind, gate_up_q, gate_up_d, gate_up_m}(x).chunk(2, -1);
+  return hidden + Linear{down_kind, down_q, down_d, down_m}(at::silu(gate_up[0]) * gate_up[1]);
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #pragma once
 
+#include <ATen/Dispatch.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
@@ -14,6 +15,13 @@
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 #endif
+
+// Runs the lambda with scalar_t as float or at::BFloat16 after `type`, the dtypes the kernels
+// take (ATen's dispatch; any other dtype throws).
+#define SEQGATE_DISPATCH_FLOAT_BF16(type, name, ...)          \
+  AT_DISPATCH_SWITCH(type, name,                              \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
 namespace seqgate {
 
@@ -49,6 +57,19 @@ inline Vec round_to(const Vec& v) {
     return v;
   } else {
     return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v)));
+  }
+}
+
+// One head turned by the rotary embedding (llama_layers._rotate): x * cos + roll(x, half) *
+// signed_sin, each product and the sum rounded to T. `from` may be `to`: both halves of a lane
+// are read before either is written.
+template <typename T, typename In>
+inline void rotate_head(const In* from, T* to, const T* cos, const T* signed_sin, int64_t half) {
+  for (int64_t j = 0; j < half; j += kLanes) {
+    const Vec lo = load(from + j), hi = load(from + half + j);
+    store(to + j, round_to<T>(lo * load(cos + j)) + round_to<T>(hi * load(signed_sin + j)));
+    store(to + half + j, round_to<T>(hi * load(cos + half + j)) +
+                             round_to<T>(lo * load(signed_sin + half + j)));
   }
 }
 
