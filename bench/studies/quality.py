@@ -12,6 +12,12 @@ whether the two argmaxes agree, and the variant's negative log-likelihood of the
   int4        `--quantize int4` on an fp32 model: layers rounded to Q4_1 blocks, head to Q8_0
               (engine/model/blocks.py);
   int8        `--quantize int8` on an fp32 model: every layer rounded to Q8_0 blocks;
+  int4-q8, int8-q8
+              the same blocks with each row rounded to 8 bits per 32 columns and the products
+              summed in integers (csrc/q8_rows.cpp, llama.cpp's arithmetic), on every forward:
+              what `--quantize int4` / `int8` compute in forwards of few rows (decode steps
+              and drafts; prompt chunks past the kernel's row limit multiply as int4 / int8
+              above);
   torch-int4  `--quantize int4` on a bf16 model's path, computed in fp32: PyTorch's int4 format
               (engine/model/quantize.py), layers int4 with groups of 32, head int8 per row.
   w8a8        `--quantize w8a8`: the decoder's layers in int8 weights (per channel) times int8
@@ -42,12 +48,13 @@ from bench.provenance import cpu_isa
 from bench.sharegpt import shuffled_exchanges
 from bench.studies.common import base_parser, env_info, load, write_json
 from engine.kernels import native
-from engine.model import llama_layers, w8a8
+from engine.model import llama_layers, lowbit, w8a8
 from engine.model.blocks import rounded_blocks
 from engine.model.loader import default_cache_dir
 from engine.model.quantize import quantize_model
 
-VARIANTS = ("bf16", "int4", "int8", "torch-int4", "w8a8", "w8a8-native", "bf16-w8a8")
+VARIANTS = ("bf16", "int4", "int8", "int4-q8", "int8-q8", "torch-int4", "w8a8", "w8a8-native",
+            "bf16-w8a8")
 
 
 def _rounded(model: torch.nn.Module, layers: str) -> torch.nn.Module:
@@ -70,6 +77,17 @@ def variant(model: torch.nn.Module, name: str) -> torch.nn.Module:
         return copy.deepcopy(model).to(torch.bfloat16)
     if name in ("int4", "int8"):
         return _rounded(model, name)
+    if name in ("int4-q8", "int8-q8"):
+        out = copy.deepcopy(model)
+        ops = native.kernels(default_cache_dir())
+        if ops is None:
+            raise RuntimeError(f"{name}: the native kernels do not build here")
+        lowbit.install(out, ops, name.removesuffix("-q8"), None)
+        for layer in out.modules():
+            if isinstance(layer, lowbit.BlockLinear):
+                assert layer.int8_rows
+                layer.max_rows = 1 << 30  # the kernel on every forward, as on decode steps
+        return out
     if name == "torch-int4":
         out = copy.deepcopy(model)
         quantize_model(out, "int4")

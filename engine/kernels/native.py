@@ -51,7 +51,7 @@ log = logging.getLogger("seqgate.native")
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("decode_attention.cpp", "lowbit_linear.cpp", "lean_layer.cpp",
-                             "int8_linear.cpp"))
+                             "int8_linear.cpp", "q8_rows.cpp"))
 # Included by the sources: copied beside them and part of the build key.
 HEADERS = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("vec.h", "lowbit_linear.h"))
@@ -80,7 +80,8 @@ _library: Path | None = None  # the build loaded in this process
 class Native:
     """The loaded library's operators: `decode_attention(query, key, value, mask, scale)` (the
     attention, or None for a call it does not take: then SDPA), `q4_linear(x, q, d, m)`,
-    `q8_linear(x, q, d)`, `h16_linear(x, w)` (engine.model.lowbit), `lean_attention_inputs`
+    `q8_linear(x, q, d)`, `h16_linear(x, w)`, `q4_q8_linear(x, q, d, m)`, `q8_q8_linear(x, q,
+    d)` (engine.model.lowbit), `lean_attention_inputs`
     and `lean_attention_output` (engine.model.llama_layers), `int8_linear(x, weight, scales,
     bias)` and `int8_product_kind()` (which product it multiplies by: engine.model.w8a8),
     `instantiated(dtype, head_dim, groups)` and `instruction_set()`."""
@@ -92,6 +93,8 @@ class Native:
         self.q4_linear = ops.q4_linear.default
         self.q8_linear = ops.q8_linear.default
         self.h16_linear = ops.h16_linear.default
+        self.q4_q8_linear = ops.q4_q8_linear.default
+        self.q8_q8_linear = ops.q8_q8_linear.default
         self.lean_attention_inputs = ops.lean_attention_inputs.default
         self.lean_attention_output = ops.lean_attention_output.default
         self.int8_linear = ops.int8_linear.default

@@ -105,6 +105,7 @@ class _Stacked(NamedTuple):
 
 
 _KINDS = {"q4": 0, "q8": 1, "bf16": 2, "f16": 2}  # csrc/lowbit_linear.h
+_INT8_ROWS = {"q4": 6, "q8": 7}  # the same blocks times rows rounded to 8 bits (csrc/q8_rows.cpp)
 _INT8, _DENSE, _ONEDNN = 3, 4, 5  # csrc/lowbit_linear.h: int8, dense and prepacked weights
 
 
@@ -132,7 +133,8 @@ class _Native:
         self.linears = linears  # qkv, o, gate_up, down; () where they are not in blocks
         self.int8 = int8
         # Each one's (kind, q, d, m) as the library takes them, built once, not every forward.
-        self.blocks = [(_KINDS[b.kind], b.q, b.d, b.m) for b in linears]
+        self.blocks = [((_INT8_ROWS if b.int8_rows else _KINDS)[b.kind], b.q, b.d, b.m)
+                       for b in linears]
         self.dense = [(_DENSE, b.weight, None, None) if b.dense_packed is None
                       else (_ONEDNN, b.dense_packed, None, None) for b in linears]
         native_int8 = int8 and all(w.ops is not None and w.packed is not None and w.bias is None

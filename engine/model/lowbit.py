@@ -69,6 +69,9 @@ class BlockLinear(torch.nn.Module):
         self.ops = ops
         self.max_rows = max_rows
         self.rounded = False  # True where `install` rounded the weights (quantize)
+        # Rows rounded to 8 bits in the kernel (csrc/q8_rows.cpp), llama.cpp's arithmetic: only
+        # for weights that were rounded already (`install` sets it with them).
+        self.int8_rows = False
         self.dense_packed: torch.Tensor | None = None
 
     @classmethod
@@ -77,6 +80,7 @@ class BlockLinear(torch.nn.Module):
         and blocks (a block never spans two output rows, so rows stack exactly)."""
         first = parts[0]
         if any(p.kind != first.kind or p.in_features != first.in_features
+               or p.int8_rows != first.int8_rows
                or (p.bias is None) != (first.bias is None) for p in parts):
             return None
         plain = torch.nn.Linear(first.in_features, sum(p.out_features for p in parts),
@@ -92,6 +96,7 @@ class BlockLinear(torch.nn.Module):
 
         blocks = Blocks(first.kind, cat("q"), cat("d"), cat("m"))
         layer = cls(plain, blocks, first.ops, first.max_rows)
+        layer.rounded, layer.int8_rows = first.rounded, first.int8_rows
         sizes = [p.out_features for p in parts]
 
         def split(t: torch.Tensor | None) -> list:
@@ -110,6 +115,10 @@ class BlockLinear(torch.nn.Module):
     def kernel_product(self, flat: torch.Tensor) -> torch.Tensor:
         """`flat` [rows, in_features] (fp32 or bf16, rows contiguous) times the weights, no
         bias, computed in fp32 (the result in `flat`'s dtype)."""
+        if self.int8_rows:
+            if self.kind == "q4":
+                return self.ops.q4_q8_linear(flat, self.q, self.d, self.m)
+            return self.ops.q8_q8_linear(flat, self.q, self.d)
         if self.kind == "q4":
             return self.ops.q4_linear(flat, self.q, self.d, self.m)
         if self.kind == "q8":
@@ -181,7 +190,7 @@ def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
                     blocks.dense(), requires_grad=False)
             if blocks is not None:
                 layer = BlockLinear(child, blocks, ops, 0, weight)
-                layer.rounded = weight is not None
+                layer.rounded = layer.int8_rows = weight is not None
                 if bf16 and onednn.supported(layer.weight):  # timed against what serves
                     layer.dense_packed = onednn.pack(layer.weight)
                 made.append((parent, name, layer))

@@ -130,6 +130,80 @@ def test_the_kernel_refuses_what_it_does_not_take(ops):
         ops.h16_linear(torch.randn(2, 4 * BLOCK), torch.randn(16, 2 * BLOCK).bfloat16())
 
 
+def _rows_rounded_reference(x: torch.Tensor, blocks) -> torch.Tensor:
+    """llama.cpp's arithmetic for Q4_1 / Q8_0 blocks times rows rounded to Q8_1, in float64
+    from the blocks' integers: each row rounded per block of 32 columns (d = max|x| / 127,
+    q = round(x * (1 / d))), the integer dot products scaled by both scales, plus Q4_1's mins
+    times d * sum(q)."""
+    rows, cols = x.shape
+    xb = x.view(rows, cols // BLOCK, BLOCK)
+    dx = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(dx != 0, 1 / dx, torch.zeros_like(dx))
+    qx = torch.round(xb * inv).double()  # half to even, as the kernel's conversion
+    out = blocks.q.shape[0]
+    if blocks.kind == "q4":
+        packed = blocks.q.view(out, cols // BLOCK, BLOCK // 2)
+        qw = torch.cat([packed & 0x0F, packed >> 4], -1).double()
+    else:
+        qw = blocks.q.view(out, cols // BLOCK, BLOCK).double()
+    dots = torch.einsum("rbj,obj->rob", qx, qw)
+    y = (dots * blocks.d.double()[None] * dx.double().squeeze(-1)[:, None]).sum(-1)
+    if blocks.kind == "q4":
+        sums = dx.double().squeeze(-1) * qx.sum(-1)  # [rows, blocks]
+        y = y + sums @ blocks.m.double().T
+    return y
+
+
+def _rows_rounded(ops, x: torch.Tensor, blocks) -> torch.Tensor:
+    if blocks.kind == "q4":
+        return ops.q4_q8_linear(x, blocks.q, blocks.d, blocks.m)
+    return ops.q8_q8_linear(x, blocks.q, blocks.d)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 9])
+def test_rows_rounded_to_8_bits_give_llama_cpp_arithmetic(ops, kind, rows):
+    """The int4 / int8 kernel for few rows (csrc/q8_rows.cpp) computes llama.cpp's Q4_1 x Q8_1
+    and Q8_0 x Q8_0 dot products: equal to the float64 reference from the same integers up to
+    fp32 sums, and no closer to the layer's exact product than rounding the rows allows."""
+    weight = WEIGHTS[kind](40, 6 * BLOCK, seed=rows)
+    blocks = exact_blocks(weight)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 6 * BLOCK, generator=g)
+    x[:, :BLOCK] = 0  # an all-zero block: scale 0, nothing divided by it
+    got = _rows_rounded(ops, x, blocks)
+    want = _rows_rounded_reference(x, blocks)
+    assert got.dtype == torch.float32 and got.shape == (rows, 40)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    if rows:
+        exact = x @ weight.T
+        err = ((got - exact).norm() / exact.norm()).item()
+        assert 1e-5 < err < 2e-2  # the rows' rounding shows, and stays small
+
+
+@needs_kernel
+def test_a_row_rounded_to_8_bits_gets_the_same_result_alone_or_beside_others(ops):
+    """Each row is rounded with its own scales and summed in one order whatever the rows beside
+    it, so a sequence's products do not depend on its batch or on the drafts verified with it:
+    bit for bit, also for bf16 rows (the fp32 result rounded)."""
+    for kind in ("q4", "q8"):
+        blocks = exact_blocks(WEIGHTS[kind](72, 4 * BLOCK))
+        x = torch.randn(11, 4 * BLOCK) * torch.logspace(-2, 2, 11)[:, None]
+        together = _rows_rounded(ops, x, blocks)
+        for i in range(len(x)):
+            assert torch.equal(_rows_rounded(ops, x[i:i + 1], blocks)[0], together[i])
+        half = x.bfloat16()
+        assert torch.equal(_rows_rounded(ops, half, blocks),
+                           _rows_rounded(ops, half.float(), blocks).bfloat16())
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.q4_q8_linear(x.half(), blocks.q, blocks.d, blocks.m)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.q8_q8_linear(torch.randn(2, 4 * BLOCK - 1), blocks.q, blocks.d)
+    with pytest.raises(RuntimeError, match="weights"):
+        ops.q8_q8_linear(torch.randn(2, 4 * BLOCK), blocks.q[:, :-1].contiguous(), blocks.d)
+
+
 @needs_kernel
 @pytest.mark.parametrize("kind", ["q4", "bf16"])
 def test_stacked_layers_compute_their_parts_side_by_side(ops, kind):
@@ -275,13 +349,13 @@ def blocks_dense(layer: BlockLinear) -> torch.Tensor:
 
 
 @needs_kernel
-@pytest.mark.parametrize("quantize", ["none", "int4", "bf16-values"])
+@pytest.mark.parametrize("quantize", ["none", "bf16-values"])
 def test_greedy_with_blocks_equals_generate_alone_and_batched(smollm2, make_engine, quantize):
     """The anchor with the kernel serving every decode forward (max_rows forced above the
-    batch): exact blocks against generate on the fp32 model, rounded ones against generate on
-    the rounded model, and 16-bit values (the model's weights rounded to bf16 beforehand, as a
-    bf16 model loaded in fp32 holds them) against generate on that model; one job at a time
-    and a rolling batch of 5."""
+    batch): exact blocks against generate on the fp32 model, and 16-bit values (the model's
+    weights rounded to bf16 beforehand, as a bf16 model loaded in fp32 holds them) against
+    generate on that model; one job at a time and a rolling batch of 5. (Rounded blocks,
+    `quantize=int4`, also round the rows: their own test below.)"""
     if smollm2.dtype != torch.float32:
         pytest.skip("the blocks serve fp32 models")
     loaded = _fresh(smollm2)
@@ -312,9 +386,82 @@ def test_greedy_with_blocks_equals_generate_alone_and_batched(smollm2, make_engi
                for ids, n in zip(prompts, budgets)]
     eng.run_until_idle()
     assert [collect(h)[0]["tokens"] for h in handles] == want
-    if quantize == "int4":  # the rounded head has its own weights; the embeddings keep theirs
-        model = loaded.model
-        assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
+
+
+def _kernel_rows(model: torch.nn.Module, rows: int) -> None:
+    """Every block layer of `model`, stacked ones included, takes forwards of up to `rows`."""
+    stacks = [vars(layer)["_lean_stacked"] for layer in model.model.layers]
+    natives = [vars(layer)["_lean_native"] for layer in model.model.layers]
+    for m in [*model.modules(), *(s.qkv for s in stacks), *(s.gate_up for s in stacks),
+              *(b for n in natives if n is not None for b in n.linears)]:
+        if isinstance(m, BlockLinear):
+            m.max_rows = rows
+
+
+@needs_kernel
+def test_int4_rounds_rows_to_8_bits_and_a_sequence_decodes_as_it_would_alone(
+        smollm2, make_engine, monkeypatch):
+    """`quantize=int4` multiplies few rows as llama.cpp does (rows rounded to 8 bits, integer
+    sums), an approximation judged by its distance from the model: teacher-forced next-token
+    distributions stay close to those of the rounded weights' own fp32 products. Each row's
+    products depend on that row alone, so where every forward takes the kernel a sequence's
+    greedy tokens are the same alone and in a rolling batch; with drafts, the copied span."""
+    if smollm2.dtype != torch.float32:
+        pytest.skip("the blocks serve fp32 models")
+    from engine.sample import speculative
+    from tests.engine.test_speculative import COPYING
+
+    loaded = _fresh(smollm2)
+    eng = make_engine(loaded, quantize="int4", prompt_cache_bytes=0, num_speculative_tokens=0)
+    model = loaded.model
+    layers = [m for m in model.modules() if isinstance(m, BlockLinear)]
+    assert layers and all(m.rounded and m.int8_rows for m in layers)
+    assert {m.kind for m in layers} == {"q4", "q8"}
+    # the rounded head has its own weights; the embeddings keep theirs
+    assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
+    assert vars(model.model.layers[0])["_lean_native"].blocks[0][0] == 6  # q4 x q8 rows
+
+    tok = loaded.tokenizer
+    ids = tok.encode("The capital of France is Paris. The capital of Italy is Rome, and the")
+    _kernel_rows(model, 64)
+    with torch.inference_mode():
+        rounded_rows = model(input_ids=torch.tensor([ids])).logits[0].log_softmax(-1)
+        _kernel_rows(model, 0)
+        products = model(input_ids=torch.tensor([ids])).logits[0].log_softmax(-1)
+    kl = (products.exp() * (products - rounded_rows)).sum(-1)
+    assert 0 < kl.mean() < 0.02 and kl.max() < 0.2
+    assert (rounded_rows.argmax(-1) == products.argmax(-1)).float().mean() >= 0.85
+
+    # Every forward through the kernel: a decode row that shares a forward with a long prompt
+    # chunk takes the fp32 product of the weights instead (past the row limit), like any
+    # other row of that forward.
+    _kernel_rows(model, 1 << 20)
+    prompts = [tok.encode(t) for t in COPYING[:3]] + varied_prompts(tok, 2)
+
+    def greedy(n: int = 16) -> SamplingParams:  # no min_new_tokens: it keeps drafts off
+        return SamplingParams(strategy="greedy", max_new_tokens=n)
+
+    alone = []
+    for p in prompts:
+        h = eng.submit(p, greedy())
+        eng.run_until_idle()
+        alone.append(collect(h)[0]["tokens"])
+    handles = [eng.submit(p, greedy()) for p in prompts]
+    eng.run_until_idle()
+    assert [collect(h)[0]["tokens"] for h in handles] == alone
+    monkeypatch.setattr(speculative.Payoff, "length", lambda self, rows: self.k)
+    drafting = make_engine(loaded, quantize="int4", prompt_cache_bytes=0,
+                           num_speculative_tokens=4)
+    _kernel_rows(model, 1 << 20)
+    # A draft's verification attends over several query tokens of the row at once, summing in
+    # another order than one-token steps; rows rounded to 8 bits can carry that last-bit
+    # difference across a rounding step, so a near-tie may resolve the other way. The copied
+    # list (the first 12 tokens of each copying prompt) must come out the same.
+    for p, want in zip(prompts[:3], alone):
+        h = drafting.submit(p, greedy())
+        drafting.run_until_idle()
+        assert collect(h)[0]["tokens"][:12] == want[:12]
+    assert drafting.stats().spec_accepted_tokens >= 10
 
 
 @needs_kernel

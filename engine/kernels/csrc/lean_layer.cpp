@@ -59,7 +59,6 @@ at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double e
   return weight * x.to(hidden.scalar_type());
 }
 
-
 // -- Layers in blocks: the work between the products in passes over the rows ------------------
 //
 // At one row the ATen operators between a layer's products (norms, rotary embedding, SiLU,
@@ -74,7 +73,8 @@ at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double e
 // weight of its size and dtype. Shapes the layer's products would refuse are left to them.
 bool passes_fit(const at::Tensor& hidden, int64_t kind, int64_t head_dim,
                 const at::Tensor& norm) {
-  return (kind == kQ4 || kind == kQ8 || kind == kH16) && hidden.dim() == 3 &&
+  return (kind == kQ4 || kind == kQ8 || kind == kH16 || kind == kQ4Q8 || kind == kQ8Q8) &&
+         hidden.dim() == 3 &&
          (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16) &&
          hidden.size(-1) % kLanes == 0 && head_dim % (2 * kLanes) == 0 &&
          norm.numel() == hidden.size(-1) && norm.scalar_type() == hidden.scalar_type();
