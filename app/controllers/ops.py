@@ -127,7 +127,7 @@ def _kernels(engine) -> dict | None:
     return {"decode_attention_layers": engine.decode_kernel_layers,
             "linear": {"mode": blocks.mode, "q4_layers": blocks.q4_layers,
                        "q8_layers": blocks.q8_layers, "h16_layers": blocks.h16_layers,
-                       "max_rows": blocks.max_rows,
+                       "int8_rows": blocks.int8_rows, "max_rows": blocks.max_rows,
                        "ms_per_pass_kernel_vs_torch": blocks.timings},
             "w8a8": _w8a8(getattr(engine, "int8_layers", None)),
             "native_layers": _native(getattr(engine, "native_layers", None))}

@@ -17,8 +17,12 @@ A layer gets blocks in one of two ways:
   A model published in bf16 or fp16 and loaded in fp32 holds weights that are such values:
   they are kept in those 16 bits (half fp32's bytes) and widened exactly in the kernel.
 - by rounding (`quantize=int4` or `int8` on an fp32 model): the layers' weights are rounded to
-  Q4_1 (the output head to Q8_0, as llama.cpp's files keep it) or to Q8_0, and both paths
-  compute with the rounded weights.
+  Q4_1 (the output head to Q8_0, as llama.cpp's files keep it) or to Q8_0. Larger forwards
+  multiply the rounded weights in fp32; the kernel also rounds each row to 8 bits per block of
+  32 columns and sums the products in integers (csrc/q8_rows.cpp), as llama.cpp does for these
+  formats: about half the instructions per weight of rebuilding it in fp32, an approximation
+  judged, as the rounding of the weights is, by the next-token distance from fp32
+  (bench/studies/quality.py).
 
 Which forwards go to the kernel is measured on the host (`choose_max_rows`): the kernel reads
 fewer bytes but does more work per weight than a BLAS product, so past some row count PyTorch's
@@ -153,6 +157,7 @@ class LowbitReport:
     max_rows: int = 0
     timings: dict | None = None
     h16_layers: int = 0  # bf16 or fp16 values
+    int8_rows: bool = False  # rows rounded to 8 bits in the kernel (int4 / int8)
 
 
 def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
@@ -207,7 +212,8 @@ def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
         sum(b.kind == "q4" for b in layers), sum(b.kind == "q8" for b in layers),
         quantize if any(b.rounded for b in layers) else "exact",
         sum(t.numel() * t.element_size() for b in layers for t in (b.q, b.d, b.m)
-            if t is not None), max_rows, timings, sum(b.kind in ("bf16", "f16") for b in layers))
+            if t is not None), max_rows, timings, sum(b.kind in ("bf16", "f16") for b in layers),
+        any(b.int8_rows for b in layers))
 
 
 def _signature(layers: list[BlockLinear], build_key: str) -> str:

@@ -59,10 +59,10 @@ def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
         blocks = lowbit.install(model, ops, exact, cache_dir(config), native.build_key(),
                                 config.threads)
         log.info("linear layers: %d in Q4_1 blocks, %d in Q8_0, %d in 16 bits (%s, %.1f MiB), "
-                 "the kernel for forwards of at most %d rows; ms per pass over all of them at n "
-                 "rows, kernel vs PyTorch: %s", blocks.q4_layers, blocks.q8_layers,
+                 "the kernel for forwards of at most %d rows%s; ms per pass over all of them at "
+                 "n rows, kernel vs PyTorch: %s", blocks.q4_layers, blocks.q8_layers,
                  blocks.h16_layers, blocks.mode, blocks.block_bytes / 2**20, blocks.max_rows,
-                 blocks.timings)
+                 " (rows rounded to 8 bits)" if blocks.int8_rows else "", blocks.timings)
     int8 = _install_w8a8(loaded, config, single, fp32, ops) if config.quantize == "w8a8" else \
         w8a8.W8A8Report()
     if config.quantize in ("int4", "int8") and blocks.mode == "off":

@@ -19,7 +19,7 @@ def test_health_and_version(http, live_server):
     blocks = engine.linear_blocks
     assert kernels["linear"] == {"mode": blocks.mode, "q4_layers": blocks.q4_layers,
                                  "q8_layers": blocks.q8_layers, "h16_layers": blocks.h16_layers,
-                                 "max_rows": blocks.max_rows,
+                                 "int8_rows": blocks.int8_rows, "max_rows": blocks.max_rows,
                                  "ms_per_pass_kernel_vs_torch": blocks.timings}
     assert kernels["w8a8"] is None and engine.int8_layers.layers == 0  # only where asked
     native = engine.native_layers
