@@ -39,7 +39,7 @@
 namespace {
 
 constexpr int kBlock = 32;       // input columns per block
-constexpr int kMaxRows = 4;      // input rows one pass over the weights serves (2 sums each)
+constexpr int kMaxRows = 8;      // input rows one pass over the weights serves
 constexpr int64_t kTile = 32;    // output rows whose weights one pass keeps cached
 
 // The rows rounded to 8 bits, block by block: q [rows, in] int8, d and s [rows, blocks] fp32.
@@ -169,47 +169,62 @@ using Acc = __m256;
 using Acc = float;
 #endif
 
-// Block b of one output row (its weights at wq) times R rows into acc[0 .. R), each row's
-// scale at scale[r * stride].
+// Blocks b and b + 1 of one output row (its weights at wq) times R rows: acc[r] +=
+// scale0 * dot0 + scale1 * dot1, each row's scales at scale[r * stride] (and the next);
+// `pair` false: block b alone. One sum a row, whose chain waits on an addition every two
+// blocks; the order is the same whatever R is.
 template <bool Q4, int R>
-inline void block(const uint8_t* wq, const RowsView& x, int64_t b, const float* scale,
-                  int stride, Acc* acc) {
+inline void blocks(const uint8_t* wq, const RowsView& x, int64_t b, const float* scale,
+                   int stride, bool pair, Acc* acc) {
 #if defined(SEQGATE_Q8_ROWS_AVX2)
-  __m256i u;  // the weights as unsigned bytes (Q8_0: their magnitudes)
-  __m256i signs;
-  if constexpr (Q4) {
-    u = nibbles(wq + b * (kBlock / 2));
-  } else {
-    signs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + b * kBlock));
-    u = _mm256_sign_epi8(signs, signs);
+  __m256i u[2];  // the weights as unsigned bytes (Q8_0: their magnitudes)
+  __m256i signs[2];
+  const int count = pair ? 2 : 1;
+  for (int k = 0; k < count; ++k) {
+    if constexpr (Q4) {
+      u[k] = nibbles(wq + (b + k) * (kBlock / 2));
+    } else {
+      signs[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + (b + k) * kBlock));
+      u[k] = _mm256_sign_epi8(signs[k], signs[k]);
+    }
   }
   for (int r = 0; r < R; ++r) {
-    __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + r * x.in + b * kBlock));
-    if constexpr (!Q4) s = _mm256_sign_epi8(s, signs);  // the weights' signs moved over
-    acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(scale + r * stride), dot(u, s), acc[r]);
+    const int8_t* row = x.q + r * x.in + b * kBlock;
+    __m256i s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+    if constexpr (!Q4) s0 = _mm256_sign_epi8(s0, signs[0]);  // the weights' signs moved over
+    __m256 t = _mm256_mul_ps(_mm256_broadcast_ss(scale + r * stride), dot(u[0], s0));
+    if (pair) {
+      __m256i s1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + kBlock));
+      if constexpr (!Q4) s1 = _mm256_sign_epi8(s1, signs[1]);
+      t = _mm256_fmadd_ps(_mm256_broadcast_ss(scale + r * stride + 1), dot(u[1], s1), t);
+    }
+    acc[r] = _mm256_add_ps(acc[r], t);
   }
 #else
   for (int r = 0; r < R; ++r) {
-    const int8_t* s = x.q + r * x.in + b * kBlock;
-    int32_t sum = 0;
-    if constexpr (Q4) {
-      const uint8_t* p = wq + b * (kBlock / 2);
-      for (int j = 0; j < kBlock / 2; ++j)
-        sum += (p[j] & 0x0F) * s[j] + (p[j] >> 4) * s[j + kBlock / 2];
-    } else {
-      const int8_t* p = reinterpret_cast<const int8_t*>(wq) + b * kBlock;
-      for (int j = 0; j < kBlock; ++j) sum += p[j] * s[j];
+    float t = 0.f;
+    for (int k = 0; k < (pair ? 2 : 1); ++k) {
+      const int8_t* s = x.q + r * x.in + (b + k) * kBlock;
+      int32_t sum = 0;
+      if constexpr (Q4) {
+        const uint8_t* p = wq + (b + k) * (kBlock / 2);
+        for (int j = 0; j < kBlock / 2; ++j)
+          sum += (p[j] & 0x0F) * s[j] + (p[j] >> 4) * s[j + kBlock / 2];
+      } else {
+        const int8_t* p = reinterpret_cast<const int8_t*>(wq) + (b + k) * kBlock;
+        for (int j = 0; j < kBlock; ++j) sum += p[j] * s[j];
+      }
+      t += scale[r * stride + k] * static_cast<float>(sum);
     }
-    acc[r] += scale[r * stride] * static_cast<float>(sum);
+    acc[r] += t;
   }
 #endif
 }
 
 constexpr int kChunk = 64;  // blocks whose scales are worked out at a time (on the stack)
 
-// y[r, o] for R rows and output rows [begin, end). Each row's sums run in the same order
-// whatever R is (two partial sums, over even and odd blocks), so its result does not depend on
-// the rows beside it.
+// y[r, o] for R rows and output rows [begin, end). Each row's sum runs in the same order
+// whatever R is (`blocks`), so its result does not depend on the rows beside it.
 template <bool Q4, int R>
 void rows(const Weights& w, const RowsView& x, float* y, int64_t ldy, int64_t begin,
           int64_t end) {
@@ -217,27 +232,24 @@ void rows(const Weights& w, const RowsView& x, float* y, int64_t ldy, int64_t be
   for (int64_t o = begin; o < end; ++o) {
     const uint8_t* wq = w.q + o * w.row_bytes;
     float mins[R] = {};
-    Acc acc[2 * R];  // [r]: the sum over even blocks, [R + r]: over odd ones
+    Acc acc[R];
 #if defined(SEQGATE_Q8_ROWS_AVX2)
-    for (int i = 0; i < 2 * R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
 #else
-    for (int i = 0; i < 2 * R; ++i) acc[i] = 0.f;
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
 #endif
     for (int64_t b0 = 0; b0 < w.blocks; b0 += kChunk) {
       const int n = static_cast<int>(std::min<int64_t>(kChunk, w.blocks - b0));
       block_scales<Q4, R>(w, x, o, b0, n, scale, mins);
-      // Blocks two at a time, even ones into the first sum and odd ones into the second
-      // (kChunk is even, so i's parity is the block's).
-      for (int i = 0; i < n; i += 2) {
-        block<Q4, R>(wq, x, b0 + i, scale + i, n, acc);
-        if (i + 1 < n) block<Q4, R>(wq, x, b0 + i + 1, scale + i + 1, n, acc + R);
-      }
+      int i = 0;
+      for (; i + 2 <= n; i += 2) blocks<Q4, R>(wq, x, b0 + i, scale + i, n, true, acc);
+      if (i < n) blocks<Q4, R>(wq, x, b0 + i, scale + i, n, false, acc);
     }
     for (int r = 0; r < R; ++r) {
 #if defined(SEQGATE_Q8_ROWS_AVX2)
-      y[r * ldy + o] = sum_lanes(_mm256_add_ps(acc[r], acc[R + r])) + mins[r];
+      y[r * ldy + o] = sum_lanes(acc[r]) + mins[r];
 #else
-      y[r * ldy + o] = acc[r] + acc[R + r] + mins[r];
+      y[r * ldy + o] = acc[r] + mins[r];
 #endif
     }
   }
@@ -250,7 +262,11 @@ void rows_any(int n, const Weights& w, const RowsView& x, float* y, int64_t ldy,
     case 1: return rows<Q4, 1>(w, x, y, ldy, begin, end);
     case 2: return rows<Q4, 2>(w, x, y, ldy, begin, end);
     case 3: return rows<Q4, 3>(w, x, y, ldy, begin, end);
-    default: return rows<Q4, 4>(w, x, y, ldy, begin, end);
+    case 4: return rows<Q4, 4>(w, x, y, ldy, begin, end);
+    case 5: return rows<Q4, 5>(w, x, y, ldy, begin, end);
+    case 6: return rows<Q4, 6>(w, x, y, ldy, begin, end);
+    case 7: return rows<Q4, 7>(w, x, y, ldy, begin, end);
+    default: return rows<Q4, 8>(w, x, y, ldy, begin, end);
   }
 }
 
