@@ -6,7 +6,7 @@
 // an FMA: on an AVX2 CPU that is about 30 instructions per block of 32 weights at one row, and
 // a one-row step is bound by them, not by the bytes (docs/benchmarks/speed.md). Here each row is
 // rounded, per block of 32 input columns, to int8 with its own scale (llama.cpp's Q8_1:
-// dx = max|x| / 127, qx = round(x / dx), and sx = dx * sum(qx)), and a block's dot product is
+// dx = max|x| / 127, qx = round(x * (1 / dx)), sx = dx * sum(qx)), and a block's dot product is
 // summed in integers: 32 products of an unsigned byte and a signed one in one `vpmaddubsw`,
 // pairs of those in int32 with `vpmaddwd`, then scaled once in fp32:
 //   Q4_1 (w = q * d + m): sum(w * x) ≈ d * dx * sum(q * qx) + m * sx
@@ -14,8 +14,9 @@
 // The integer sums are exact; the approximation is the rounding of the rows, which is why these
 // serve only formats that were rounded already and are judged, as they are, by their next-token
 // distance from fp32 (bench/studies/quality.py). Each row's result depends on that row alone
-// (its own scales, the same order of additions whatever the batch), so a sequence's tokens do
-// not depend on what it is batched with or on how many drafts a step verifies.
+// (its own scales, the same order of additions whatever the rows beside it); a sequence's
+// tokens still can, where a forward's row count takes it past the kernel's limit (then the
+// fp32 product) or a verified draft's attention sums in another order.
 //
 // Registered as torch.ops.seqgate.q4_q8_linear / q8_q8_linear; the intrinsics are AVX2 (also
 // built into the AVX512 library), other CPUs run the same arithmetic in a scalar loop. Checked in
