@@ -408,7 +408,8 @@ def time_native(model: torch.nn.Module, cache: Path | None, build_key: str,
     with torch_threads(threads):
         signature = json.dumps(["native-dense", build_key, torch.get_num_threads(), len(natives),
                                 str(first.dtype), own,
-                                [list(b.q.shape) + [b.kind] for b in first.linears],
+                                [list(b.q.shape) + [b.kind, b.int8_rows]
+                                 for b in first.linears],
                                 CANDIDATE_ROWS])
         entry = cached(timings_path(cache), signature,
                        lambda: _measure_native(natives, rotary, own))

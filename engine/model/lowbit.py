@@ -217,7 +217,8 @@ def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
 
 
 def _signature(layers: list[BlockLinear], build_key: str) -> str:
-    shapes = sorted({(b.kind, b.out_features, b.in_features, str(b.weight.dtype))
+    # int8_rows: the same blocks times rows in 8 bits run another kernel, timed on its own.
+    shapes = sorted({(b.kind, b.out_features, b.in_features, str(b.weight.dtype), b.int8_rows)
                      for b in layers})
     return json.dumps([build_key, torch.get_num_threads(), len(layers), shapes, CANDIDATE_ROWS])
 

@@ -237,8 +237,10 @@ def test_the_row_choice_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert lowbit._max_rows([layer], tmp_path, "build-a") == (24, {"24": [1.0, 2.0]})
     assert lowbit._max_rows([layer], tmp_path, "build-a")[0] == 24 and calls == [1]
     assert lowbit._max_rows([layer], tmp_path, "build-b")[0] == 24 and calls == [1, 1]
+    layer.int8_rows = True  # another kernel over the same blocks: timed for itself
+    assert lowbit._max_rows([layer], tmp_path, "build-b")[0] == 24 and calls == [1, 1, 1]
     cached = json.loads((tmp_path / "kernels" / "lowbit-rows.json").read_text())
-    assert len(cached) == 2
+    assert len(cached) == 3
 
 
 @needs_kernel
