@@ -18,7 +18,8 @@ the best vector instruction set the CPU has: AVX512 (F, BW, VL, DQ), else AVX2 (
 F16C), else NEON on ARM; a CPU with none of them runs PyTorch's SDPA. `SEQGATE_KERNEL_ISA=avx2`
 builds the AVX2 kernel on an AVX512 CPU (to test that path there); naming one the CPU lacks
 leaves attention to SDPA and linear layers to PyTorch. The library registers
-`torch.ops.seqgate.decode_attention`, `q4_linear`, `q8_linear`, `h16_linear`,
+`torch.ops.seqgate.decode_attention`, `q4_linear`, `q8_linear`, `h16_linear`, `q4_q8_linear`
+and `q8_q8_linear` (the same blocks times rows rounded to 8 bits, `csrc/q8_rows.cpp`),
 `lean_attention_inputs`, `lean_attention_output`, `int8_linear` (and `instantiated`,
 `instruction_set`, `int8_product_kind`); one build of it can be loaded per process.
 
