@@ -18,8 +18,9 @@ the best vector instruction set the CPU has: AVX512 (F, BW, VL, DQ), else AVX2 (
 F16C), else NEON on ARM; a CPU with none of them runs PyTorch's SDPA. `SEQGATE_KERNEL_ISA=avx2`
 builds the AVX2 kernel on an AVX512 CPU (to test that path there); naming one the CPU lacks
 leaves attention to SDPA and linear layers to PyTorch. The library registers
-`torch.ops.seqgate.decode_attention`, `q4_linear`, `q8_linear`, `h16_linear`, `q4_q8_linear`
-and `q8_q8_linear` (the same blocks times rows rounded to 8 bits, `csrc/q8_rows.cpp`),
+`torch.ops.seqgate.decode_attention`, `q4_linear`, `q8_linear`, `h16_linear`, `q4x8_q8_linear`
+and `q8_q8_linear` (the blocks, Q4_1's in tiles of 8 output rows, times rows rounded to 8 bits,
+`csrc/q8_rows.cpp`),
 `lean_attention_inputs`, `lean_attention_output`, `int8_linear` (and `instantiated`,
 `instruction_set`, `int8_product_kind`); one build of it can be loaded per process.
 
@@ -81,7 +82,7 @@ _library: Path | None = None  # the build loaded in this process
 class Native:
     """The loaded library's operators: `decode_attention(query, key, value, mask, scale)` (the
     attention, or None for a call it does not take: then SDPA), `q4_linear(x, q, d, m)`,
-    `q8_linear(x, q, d)`, `h16_linear(x, w)`, `q4_q8_linear(x, q, d, m)`, `q8_q8_linear(x, q,
+    `q8_linear(x, q, d)`, `h16_linear(x, w)`, `q4x8_q8_linear(x, q, d, m)`, `q8_q8_linear(x, q,
     d)` (engine.model.lowbit), `lean_attention_inputs`
     and `lean_attention_output` (engine.model.llama_layers), `int8_linear(x, weight, scales,
     bias)` and `int8_product_kind()` (which product it multiplies by: engine.model.w8a8),
@@ -94,7 +95,7 @@ class Native:
         self.q4_linear = ops.q4_linear.default
         self.q8_linear = ops.q8_linear.default
         self.h16_linear = ops.h16_linear.default
-        self.q4_q8_linear = ops.q4_q8_linear.default
+        self.q4x8_q8_linear = ops.q4x8_q8_linear.default
         self.q8_q8_linear = ops.q8_q8_linear.default
         self.lean_attention_inputs = ops.lean_attention_inputs.default
         self.lean_attention_output = ops.lean_attention_output.default

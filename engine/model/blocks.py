@@ -11,13 +11,15 @@ from dataclasses import dataclass
 import torch
 
 BLOCK = 32  # input columns per block
+TILE = 8  # output rows a q4x8 tile holds
 
 
 @dataclass(frozen=True)
 class Blocks:
     """A weight [out, in] in blocks: q (q4: [out, in / 2] uint8, two columns a byte; q8:
     [out, in] int8; bf16 / f16: [out, in] bfloat16 / float16), d and m ([out, in / 32] float16;
-    m None for q8, both None for bf16 and f16)."""
+    m None for q8, both None for bf16 and f16). q4x8: q4's in tiles of 8 output rows
+    (`tile_q4`), the same tensors' shapes."""
 
     kind: str
     q: torch.Tensor
@@ -28,6 +30,8 @@ class Blocks:
         """The fp32 weights the blocks hold, rounded as the kernel rebuilds them."""
         if self.d is None:
             return self.q.float()
+        if self.kind == "q4x8":
+            return untile_q4(self).dense()
         d = self.d.float()[..., None]
         if self.kind == "q8":
             q = self.q.float().view(*self.d.shape, BLOCK)
@@ -36,6 +40,42 @@ class Blocks:
         q = torch.cat([low.view(*self.d.shape, BLOCK // 2), high.view(*self.d.shape, BLOCK // 2)],
                       dim=-1).float()
         return (q * d + self.m.float()[..., None]).flatten(1)
+
+
+def tile_q4(blocks: Blocks) -> Blocks | None:
+    """Q4_1 blocks in tiles of 8 output rows, for the kernel that multiplies them by rows
+    rounded to 8 bits (csrc/q8_rows.cpp): per tile and block, 4 vectors of 32 bytes, byte
+    4k + c of vector h holding row k's column 4h + c in its low nibble and 16 + 4h + c in its
+    high one; the 8 rows' scales (and mins) side by side. Tiles take whole rows of the tensors,
+    so layers stack and split at multiples of 8. None where the rows are not a multiple of 8."""
+    out, cols = blocks.q.shape[0], blocks.q.shape[1] * 2
+    if blocks.kind != "q4" or out % TILE:
+        return None
+    nb = cols // BLOCK
+    packed = blocks.q.view(out, nb, BLOCK // 2)
+    values = torch.cat([packed & 0x0F, packed >> 4], -1)  # [out, blocks, 32] in column order
+    v = values.view(out // TILE, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4)  # tile, block, group, row
+    q = (v[:, :, :4] | (v[:, :, 4:] << 4)).reshape(out, cols // 2).contiguous()
+
+    def side_by_side(t: torch.Tensor) -> torch.Tensor:
+        return t.view(out // TILE, TILE, nb).transpose(1, 2).reshape(out, nb).contiguous()
+
+    return Blocks("q4x8", q, side_by_side(blocks.d), side_by_side(blocks.m))
+
+
+def untile_q4(blocks: Blocks) -> Blocks:
+    """`tile_q4`'s blocks back in rows."""
+    out, cols = blocks.q.shape[0], blocks.q.shape[1] * 2
+    nb = cols // BLOCK
+    p = blocks.q.view(out // TILE, nb, 4, TILE, 4)
+    v = torch.cat([p & 0x0F, p >> 4], 2)  # [tile, block, group of 4 columns, row, column]
+    values = v.permute(0, 3, 1, 2, 4).reshape(out, nb, BLOCK)
+    q = (values[..., :BLOCK // 2] | (values[..., BLOCK // 2:] << 4)).reshape(out, cols // 2)
+
+    def in_rows(t: torch.Tensor) -> torch.Tensor:
+        return t.view(out // TILE, nb, TILE).transpose(1, 2).reshape(out, nb).contiguous()
+
+    return Blocks("q4", q.contiguous(), in_rows(blocks.d), in_rows(blocks.m))
 
 
 def _q4(weight: torch.Tensor, exact: bool) -> Blocks | None:

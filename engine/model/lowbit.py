@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from engine.model import onednn
-from engine.model.blocks import Blocks, blocks_of_bf16, exact_blocks, rounded_blocks
+from engine.model.blocks import Blocks, blocks_of_bf16, exact_blocks, rounded_blocks, tile_q4
 from engine.model.host_timing import best_of, cached, largest_win, torch_threads
 
 log = logging.getLogger("seqgate.engine")
@@ -119,9 +119,9 @@ class BlockLinear(torch.nn.Module):
     def kernel_product(self, flat: torch.Tensor) -> torch.Tensor:
         """`flat` [rows, in_features] (fp32 or bf16, rows contiguous) times the weights, no
         bias, computed in fp32 (the result in `flat`'s dtype)."""
+        if self.kind == "q4x8":
+            return self.ops.q4x8_q8_linear(flat, self.q, self.d, self.m)
         if self.int8_rows:
-            if self.kind == "q4":
-                return self.ops.q4_q8_linear(flat, self.q, self.d, self.m)
             return self.ops.q8_q8_linear(flat, self.q, self.d)
         if self.kind == "q4":
             return self.ops.q4_linear(flat, self.q, self.d, self.m)
@@ -193,9 +193,14 @@ def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
                 blocks = rounded_blocks(child.weight, kind)
                 weight = None if blocks is None else torch.nn.Parameter(
                     blocks.dense(), requires_grad=False)
+                # Q4_1 in tiles for the 8-bit rows' kernel; a layer whose rows do not make
+                # whole tiles keeps the exact kernel on its rounded weights.
+                tiles = blocks is not None and kind == "q4" and tile_q4(blocks)
+                blocks = tiles or blocks
             if blocks is not None:
                 layer = BlockLinear(child, blocks, ops, 0, weight)
-                layer.rounded = layer.int8_rows = weight is not None
+                layer.rounded = weight is not None
+                layer.int8_rows = layer.rounded and layer.kind != "q4"
                 if bf16 and onednn.supported(layer.weight):  # timed against what serves
                     layer.dense_packed = onednn.pack(layer.weight)
                 made.append((parent, name, layer))
@@ -209,7 +214,7 @@ def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
     for layer in layers:
         layer.ops, layer.max_rows = ops, max_rows
     return LowbitReport(
-        sum(b.kind == "q4" for b in layers), sum(b.kind == "q8" for b in layers),
+        sum(b.kind in ("q4", "q4x8") for b in layers), sum(b.kind == "q8" for b in layers),
         quantize if any(b.rounded for b in layers) else "exact",
         sum(t.numel() * t.element_size() for b in layers for t in (b.q, b.d, b.m)
             if t is not None), max_rows, timings, sum(b.kind in ("bf16", "f16") for b in layers),

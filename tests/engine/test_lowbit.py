@@ -14,7 +14,7 @@ import torch
 
 from engine import EngineConfig, LoadedModel, SamplingParams
 from engine.model import llama_layers, lowbit
-from engine.model.blocks import BLOCK, blocks_of_bf16, exact_blocks, rounded_blocks
+from engine.model.blocks import BLOCK, blocks_of_bf16, exact_blocks, rounded_blocks, tile_q4
 from engine.model.lowbit import BlockLinear
 from engine.model.onednn import supported as onednn_bf16
 from engine.model.prepare import original_model, prepare
@@ -156,7 +156,8 @@ def _rows_rounded_reference(x: torch.Tensor, blocks) -> torch.Tensor:
 
 def _rows_rounded(ops, x: torch.Tensor, blocks) -> torch.Tensor:
     if blocks.kind == "q4":
-        return ops.q4_q8_linear(x, blocks.q, blocks.d, blocks.m)
+        tiles = tile_q4(blocks)
+        return ops.q4x8_q8_linear(x, tiles.q, tiles.d, tiles.m)
     return ops.q8_q8_linear(x, blocks.q, blocks.d)
 
 
@@ -196,8 +197,11 @@ def test_a_row_rounded_to_8_bits_gets_the_same_result_alone_or_beside_others(ops
         half = x.bfloat16()
         assert torch.equal(_rows_rounded(ops, half, blocks),
                            _rows_rounded(ops, half.float(), blocks).bfloat16())
+    tiles = tile_q4(exact_blocks(WEIGHTS["q4"](72, 4 * BLOCK)))
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        ops.q4_q8_linear(x.half(), blocks.q, blocks.d, blocks.m)
+        ops.q4x8_q8_linear(x.half(), tiles.q, tiles.d, tiles.m)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        ops.q4x8_q8_linear(x, tiles.q[:-1], tiles.d[:-1], tiles.m[:-1])
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ops.q8_q8_linear(torch.randn(2, 4 * BLOCK - 1), blocks.q, blocks.d)
     with pytest.raises(RuntimeError, match="weights"):
@@ -418,10 +422,10 @@ def test_int4_rounds_rows_to_8_bits_and_a_sequence_decodes_as_it_would_alone(
     model = loaded.model
     layers = [m for m in model.modules() if isinstance(m, BlockLinear)]
     assert layers and all(m.rounded and m.int8_rows for m in layers)
-    assert {m.kind for m in layers} == {"q4", "q8"}
+    assert {m.kind for m in layers} == {"q4x8", "q8"}  # Q4_1 in tiles of 8 output rows
     # the rounded head has its own weights; the embeddings keep theirs
     assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
-    assert vars(model.model.layers[0])["_lean_native"].blocks[0][0] == 6  # q4 x q8 rows
+    assert vars(model.model.layers[0])["_lean_native"].blocks[0][0] == 6  # q4x8 x q8 rows
 
     tok = loaded.tokenizer
     ids = tok.encode("The capital of France is Paris. The capital of Italy is Rome, and the")

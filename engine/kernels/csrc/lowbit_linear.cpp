@@ -378,15 +378,15 @@ at::Tensor block_product(const at::Tensor& x, int64_t kind, const at::Tensor& q,
       return at::linear(x, q);
     case kOnednn:
       return onednn_product(x, q);
-    case kQ4Q8:
-      TORCH_CHECK(d.has_value() && m.has_value(), "q4 x q8: scales and mins");
-      return q4_q8_linear(x, q, *d, *m);
+    case kQ4x8Q8:
+      TORCH_CHECK(d.has_value() && m.has_value(), "q4x8 x q8: scales and mins");
+      return q4x8_q8_linear(x, q, *d, *m);
     case kQ8Q8:
       TORCH_CHECK(d.has_value(), "q8 x q8: scales");
       return q8_q8_linear(x, q, *d);
   }
   TORCH_CHECK(false, "block kind: 0 (q4), 1 (q8), 2 (16-bit), 3 (int8), 4 (dense), ",
-              "5 (oneDNN's), 6 (q4 x q8) or 7 (q8 x q8), not ", kind);
+              "5 (oneDNN's), 6 (q4x8 x q8) or 7 (q8 x q8), not ", kind);
 }
 
 }  // namespace seqgate

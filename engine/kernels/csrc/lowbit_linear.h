@@ -15,20 +15,21 @@ namespace seqgate {
 // arithmetic (engine.model.w8a8: `q` [in, out] int8, `d` one fp32 scale per output); and the
 // layer's dense weights for forwards beyond the block kernel's rows: `q` the weight [out, in]
 // multiplied as F.linear does (kDense), or oneDNN's prepacked copy of it
-// (engine.model.onednn.pack, kOnednn); and Q4_1 or Q8_0 blocks multiplied by rows rounded to
-// 8 bits (q8_rows.cpp: kQ4Q8, kQ8Q8), for the formats that were rounded already.
-constexpr int64_t kQ4 = 0, kQ8 = 1, kH16 = 2, kInt8 = 3, kDense = 4, kOnednn = 5, kQ4Q8 = 6,
+// (engine.model.onednn.pack, kOnednn); and Q4_1 blocks in tiles of 8 output rows or Q8_0 blocks
+// multiplied by rows rounded to 8 bits (q8_rows.cpp: kQ4x8Q8, kQ8Q8), for the formats that were
+// rounded already.
+constexpr int64_t kQ4 = 0, kQ8 = 1, kH16 = 2, kInt8 = 3, kDense = 4, kOnednn = 5, kQ4x8Q8 = 6,
                   kQ8Q8 = 7;
 
 // x [rows, in] (float32 or bfloat16) times the weights in blocks -> [rows, out], x's dtype.
 at::Tensor block_product(const at::Tensor& x, int64_t kind, const at::Tensor& q,
                          const std::optional<at::Tensor>& d, const std::optional<at::Tensor>& m);
 
-// x [rows, in] (float32 or bfloat16) times Q4_1 blocks (q, d, m) or Q8_0 blocks (q, d), each
-// row rounded to 8 bits per block of 32 columns and the products summed in integers
-// (q8_rows.cpp) -> [rows, out], x's dtype.
-at::Tensor q4_q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d,
-                        const at::Tensor& m);
+// x [rows, in] (float32 or bfloat16) times Q4_1 blocks in tiles of 8 output rows (q, d, m) or
+// Q8_0 blocks (q, d), each row rounded to 8 bits per block of 32 columns and the products
+// summed in integers (q8_rows.cpp) -> [rows, out], x's dtype.
+at::Tensor q4x8_q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d,
+                          const at::Tensor& m);
 at::Tensor q8_q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d);
 
 // x [rows, in] (float32 or bfloat16, contiguous) times int8 `weight` [in, out] with one fp32

@@ -7,8 +7,8 @@
 // a one-row step is bound by them, not by the bytes (docs/benchmarks/speed.md). Here each row is
 // rounded, per block of 32 input columns, to int8 with its own scale (llama.cpp's Q8_1:
 // dx = max|x| / 127, qx = round(x * (1 / dx)), sx = dx * sum(qx)), and a block's dot product is
-// summed in integers: 32 products of an unsigned byte and a signed one in one `vpmaddubsw`,
-// pairs of those in int32 with `vpmaddwd`, then scaled once in fp32:
+// summed in integers (`vpmaddubsw`: products of an unsigned byte and a signed one, in pairs),
+// then scaled once in fp32:
 //   Q4_1 (w = q * d + m): sum(w * x) ≈ d * dx * sum(q * qx) + m * sx
 //   Q8_0 (w = q * d):     sum(w * x) ≈ d * dx * sum(q * qx)
 // The integer sums are exact; the approximation is the rounding of the rows, which is why these
@@ -18,7 +18,17 @@
 // tokens still can, where a forward's row count takes it past the kernel's limit (then the
 // fp32 product) or a verified draft's attention sums in another order.
 //
-// Registered as torch.ops.seqgate.q4_q8_linear / q8_q8_linear; the intrinsics are AVX2 (also
+// Q4_1 comes in tiles of 8 output rows (engine.model.blocks.tile_q4, kind "q4x8"): per tile and
+// block, 4 vectors of 32 bytes whose byte 4k + c holds output row k's column 4h + c (low nibble)
+// and 16 + 4h + c (high nibble), and the 8 rows' scales and mins side by side. One `vpmaddubsw`
+// then multiplies 4 columns of 8 output rows by a row's 4 columns broadcast, eight of them sum a
+// block in int16 (at most 8 * 2 * 15 * 127 < 32768), and one conversion and one FMA scale the
+// 8 outputs at once: about half the instructions per row and block of a layout with one output
+// row per vector, which needs the same conversion and FMA for one output (docs/benchmarks/
+// speed.md). Q8_0 keeps one output row per vector: its products of two signed bytes take a sign
+// instruction each and overflow int16 in pairs of vectors.
+//
+// Registered as torch.ops.seqgate.q4x8_q8_linear / q8_q8_linear; the intrinsics are AVX2 (also
 // built into the AVX512 library), other CPUs run the same arithmetic in a scalar loop. Checked in
 // tests/engine/test_lowbit.py.
 
@@ -34,14 +44,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "lowbit_linear.h"
 
 namespace {
 
 constexpr int kBlock = 32;       // input columns per block
-constexpr int kMaxRows = 8;      // input rows one pass over the weights serves
-constexpr int64_t kTile = 32;    // output rows whose weights one pass keeps cached
 
 // The rows rounded to 8 bits, block by block: q [rows, in] int8, d and s [rows, blocks] fp32.
 struct Rows {
@@ -93,12 +102,7 @@ Rows round_rows(const at::Tensor& x) {
   return r;
 }
 
-struct Weights {
-  const uint8_t* q;     // [out, row_bytes]: Q4_1's packed nibbles or Q8_0's int8
-  const at::Half* d;    // [out, blocks]
-  const at::Half* m;    // [out, blocks], Q4_1 only
-  int64_t blocks, row_bytes;
-};
+inline float half(const at::Half& h) { return static_cast<float>(h); }
 
 struct RowsView {
   const int8_t* q;
@@ -107,60 +111,144 @@ struct RowsView {
   int64_t in, blocks;
 };
 
-inline float half(const at::Half& h) { return static_cast<float>(h); }
-
 #if defined(SEQGATE_Q8_ROWS_AVX2)
-// A Q4_1 block's 32 q values as unsigned bytes, in column order (byte j: column j low nibble,
-// column j + 16 high).
-inline __m256i nibbles(const uint8_t* p) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
-  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-}
-
-// The 8 int32 partial sums of 32 products of u (unsigned, at most 128) and s (signed, at most
-// 127 in magnitude): pairs in int16 cannot saturate (2 * 128 * 127 < 32768).
-inline __m256 dot(const __m256i u, const __m256i s) {
-  return _mm256_cvtepi32_ps(
-      _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
-
 inline float sum_lanes(const __m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+inline __m256i broadcast4(const int8_t* p) {  // 4 bytes, 8 times over
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm256_set1_epi32(v);
+}
+#endif
+
+// ---- Q4_1 in tiles of 8 output rows -------------------------------------------------------
+
+constexpr int kTileRows = 8;
+
+struct Tiles {
+  const uint8_t* q;    // per tile, per block: 4 x 32 bytes (the layout above)
+  const at::Half* d;   // per tile, per block: 8 scales
+  const at::Half* m;   // per tile, per block: 8 mins
+  int64_t blocks;
+};
+
+// y[r, 8t .. 8t + 8) for R rows and tiles [begin, end). A row's output k of a tile sums, block
+// by block, dot * (d * dx) in one fp32 sum and m * sx in another, added at the end: the same
+// order whatever R is.
+template <int R>
+void tiles(const Tiles& w, const RowsView& x, float* y, int64_t ldy, int64_t begin,
+           int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
+    const uint8_t* wq = w.q + t * w.blocks * (kBlock / 2) * kTileRows;
+    const at::Half* wd = w.d + t * w.blocks * kTileRows;
+    const at::Half* wm = w.m + t * w.blocks * kTileRows;
+#if defined(SEQGATE_Q8_ROWS_AVX2)
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[R], mins[R];
+    for (int r = 0; r < R; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      const uint8_t* p = wq + b * (kBlock / 2) * kTileRows;
+      __m256i sums[R];
+      for (int h = 0; h < 4; ++h) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+        const __m256i lo = _mm256_and_si256(packed, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* row = x.q + r * x.in + b * kBlock;
+          const __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(row + 4 * h)),
+                                                _mm256_maddubs_epi16(hi, broadcast4(row + 16 + 4 * h)));
+          sums[r] = h == 0 ? both : _mm256_add_epi16(sums[r], both);
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b * kTileRows)));
+      for (int r = 0; r < R; ++r) {
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
+        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x.d[r * x.blocks + b]));
+        acc[r] = _mm256_fmadd_ps(dot, scale, acc[r]);
+      }
+    }
+    // The mins in a pass of their own: fewer registers held in the pass above.
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + b * kTileRows)));
+      for (int r = 0; r < R; ++r)
+        mins[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[r * x.blocks + b]), mins[r]);
+    }
+    for (int r = 0; r < R; ++r)
+      _mm256_storeu_ps(y + r * ldy + t * kTileRows, _mm256_add_ps(acc[r], mins[r]));
+#else
+    for (int r = 0; r < R; ++r) {
+      const int8_t* row = x.q + r * x.in;
+      for (int k = 0; k < kTileRows; ++k) {
+        float acc = 0.f, mins = 0.f;
+        for (int64_t b = 0; b < w.blocks; ++b) {
+          const uint8_t* p = wq + b * (kBlock / 2) * kTileRows;
+          int32_t sum = 0;
+          for (int h = 0; h < 4; ++h)
+            for (int c = 0; c < 4; ++c) {
+              const uint8_t byte = p[32 * h + 4 * k + c];
+              sum += (byte & 0x0F) * row[b * kBlock + 4 * h + c] +
+                     (byte >> 4) * row[b * kBlock + 16 + 4 * h + c];
+            }
+          const float scale = half(wd[b * kTileRows + k]) * x.d[r * x.blocks + b];
+          acc = std::fma(static_cast<float>(sum), scale, acc);
+        }
+        for (int64_t b = 0; b < w.blocks; ++b)
+          mins = std::fma(half(wm[b * kTileRows + k]), x.s[r * x.blocks + b], mins);
+        y[r * ldy + t * kTileRows + k] = acc + mins;
+      }
+    }
+#endif
+  }
+}
+
+void tiles_any(int n, const Tiles& w, const RowsView& x, float* y, int64_t ldy, int64_t begin,
+               int64_t end) {
+  switch (n) {
+    case 1: return tiles<1>(w, x, y, ldy, begin, end);
+    case 2: return tiles<2>(w, x, y, ldy, begin, end);
+    case 3: return tiles<3>(w, x, y, ldy, begin, end);
+    default: return tiles<4>(w, x, y, ldy, begin, end);
+  }
+}
+
+// ---- Q8_0, one output row at a time ---------------------------------------------------------
+
+struct Weights {
+  const int8_t* q;      // [out, in]
+  const at::Half* d;    // [out, blocks]
+  int64_t blocks;
+};
+
+#if defined(SEQGATE_Q8_ROWS_AVX2)
+// The 8 int32 partial sums of 32 products of u (unsigned, at most 127) and s (signed, at most
+// 127 in magnitude): pairs in int16 cannot saturate (2 * 127 * 127 < 32768).
+inline __m256 dot(const __m256i u, const __m256i s) {
+  return _mm256_cvtepi32_ps(
+      _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
 #endif
 
 // The scales of output row o's blocks [b0, b0 + n) times each row's (scale[r * n + b] =
-// d * dx), and sum(m * sx) over those blocks added to mins[r] (Q4_1).
-template <bool Q4, int R>
+// d * dx).
+template <int R>
 inline void block_scales(const Weights& w, const RowsView& x, int64_t o, int64_t b0, int n,
-                         float* scale, float* mins) {
+                         float* scale) {
   const at::Half* wd = w.d + o * w.blocks + b0;
-  const at::Half* wm = Q4 ? w.m + o * w.blocks + b0 : nullptr;
   for (int r = 0; r < R; ++r) {
     const float* xd = x.d + r * x.blocks + b0;
-    const float* xs = x.s + r * x.blocks + b0;
     int b = 0;
 #if defined(SEQGATE_Q8_ROWS_AVX2)
-    __m256 m8 = _mm256_setzero_ps();
     for (; b + 8 <= n; b += 8) {
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b)));
       _mm256_storeu_ps(scale + r * n + b, _mm256_mul_ps(d, _mm256_loadu_ps(xd + b)));
-      if constexpr (Q4) {
-        const __m256 m =
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + b)));
-        m8 = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs + b), m8);
-      }
     }
-    if constexpr (Q4) mins[r] += sum_lanes(m8);
 #endif
-    for (; b < n; ++b) {
-      scale[r * n + b] = half(wd[b]) * xd[b];
-      if constexpr (Q4) mins[r] += half(wm[b]) * xs[b];
-    }
+    for (; b < n; ++b) scale[r * n + b] = half(wd[b]) * xd[b];
   }
 }
 
@@ -174,29 +262,26 @@ using Acc = float;
 // scale0 * dot0 + scale1 * dot1, each row's scales at scale[r * stride] (and the next);
 // `pair` false: block b alone. One sum a row, whose chain waits on an addition every two
 // blocks; the order is the same whatever R is.
-template <bool Q4, int R>
-inline void blocks(const uint8_t* wq, const RowsView& x, int64_t b, const float* scale,
+template <int R>
+inline void blocks(const int8_t* wq, const RowsView& x, int64_t b, const float* scale,
                    int stride, bool pair, Acc* acc) {
 #if defined(SEQGATE_Q8_ROWS_AVX2)
-  __m256i u[2];  // the weights as unsigned bytes (Q8_0: their magnitudes)
+  __m256i u[2];  // the weights' magnitudes, as unsigned bytes
   __m256i signs[2];
   const int count = pair ? 2 : 1;
   for (int k = 0; k < count; ++k) {
-    if constexpr (Q4) {
-      u[k] = nibbles(wq + (b + k) * (kBlock / 2));
-    } else {
-      signs[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + (b + k) * kBlock));
-      u[k] = _mm256_sign_epi8(signs[k], signs[k]);
-    }
+    signs[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + (b + k) * kBlock));
+    u[k] = _mm256_sign_epi8(signs[k], signs[k]);
   }
   for (int r = 0; r < R; ++r) {
     const int8_t* row = x.q + r * x.in + b * kBlock;
-    __m256i s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-    if constexpr (!Q4) s0 = _mm256_sign_epi8(s0, signs[0]);  // the weights' signs moved over
+    // the weights' signs moved over to the row
+    const __m256i s0 = _mm256_sign_epi8(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)), signs[0]);
     __m256 t = _mm256_mul_ps(_mm256_broadcast_ss(scale + r * stride), dot(u[0], s0));
     if (pair) {
-      __m256i s1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + kBlock));
-      if constexpr (!Q4) s1 = _mm256_sign_epi8(s1, signs[1]);
+      const __m256i s1 = _mm256_sign_epi8(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + kBlock)), signs[1]);
       t = _mm256_fmadd_ps(_mm256_broadcast_ss(scale + r * stride + 1), dot(u[1], s1), t);
     }
     acc[r] = _mm256_add_ps(acc[r], t);
@@ -206,15 +291,9 @@ inline void blocks(const uint8_t* wq, const RowsView& x, int64_t b, const float*
     float t = 0.f;
     for (int k = 0; k < (pair ? 2 : 1); ++k) {
       const int8_t* s = x.q + r * x.in + (b + k) * kBlock;
+      const int8_t* p = wq + (b + k) * kBlock;
       int32_t sum = 0;
-      if constexpr (Q4) {
-        const uint8_t* p = wq + (b + k) * (kBlock / 2);
-        for (int j = 0; j < kBlock / 2; ++j)
-          sum += (p[j] & 0x0F) * s[j] + (p[j] >> 4) * s[j + kBlock / 2];
-      } else {
-        const int8_t* p = reinterpret_cast<const int8_t*>(wq) + (b + k) * kBlock;
-        for (int j = 0; j < kBlock; ++j) sum += p[j] * s[j];
-      }
+      for (int j = 0; j < kBlock; ++j) sum += p[j] * s[j];
       t += scale[r * stride + k] * static_cast<float>(sum);
     }
     acc[r] += t;
@@ -226,13 +305,12 @@ constexpr int kChunk = 64;  // blocks whose scales are worked out at a time (on 
 
 // y[r, o] for R rows and output rows [begin, end). Each row's sum runs in the same order
 // whatever R is (`blocks`), so its result does not depend on the rows beside it.
-template <bool Q4, int R>
+template <int R>
 void rows(const Weights& w, const RowsView& x, float* y, int64_t ldy, int64_t begin,
           int64_t end) {
   alignas(64) float scale[R * kChunk];
   for (int64_t o = begin; o < end; ++o) {
-    const uint8_t* wq = w.q + o * w.row_bytes;
-    float mins[R] = {};
+    const int8_t* wq = w.q + o * w.blocks * kBlock;
     Acc acc[R];
 #if defined(SEQGATE_Q8_ROWS_AVX2)
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -241,35 +319,36 @@ void rows(const Weights& w, const RowsView& x, float* y, int64_t ldy, int64_t be
 #endif
     for (int64_t b0 = 0; b0 < w.blocks; b0 += kChunk) {
       const int n = static_cast<int>(std::min<int64_t>(kChunk, w.blocks - b0));
-      block_scales<Q4, R>(w, x, o, b0, n, scale, mins);
+      block_scales<R>(w, x, o, b0, n, scale);
       int i = 0;
-      for (; i + 2 <= n; i += 2) blocks<Q4, R>(wq, x, b0 + i, scale + i, n, true, acc);
-      if (i < n) blocks<Q4, R>(wq, x, b0 + i, scale + i, n, false, acc);
+      for (; i + 2 <= n; i += 2) blocks<R>(wq, x, b0 + i, scale + i, n, true, acc);
+      if (i < n) blocks<R>(wq, x, b0 + i, scale + i, n, false, acc);
     }
     for (int r = 0; r < R; ++r) {
 #if defined(SEQGATE_Q8_ROWS_AVX2)
-      y[r * ldy + o] = sum_lanes(acc[r]) + mins[r];
+      y[r * ldy + o] = sum_lanes(acc[r]);
 #else
-      y[r * ldy + o] = acc[r] + mins[r];
+      y[r * ldy + o] = acc[r];
 #endif
     }
   }
 }
 
-template <bool Q4>
 void rows_any(int n, const Weights& w, const RowsView& x, float* y, int64_t ldy, int64_t begin,
               int64_t end) {
   switch (n) {
-    case 1: return rows<Q4, 1>(w, x, y, ldy, begin, end);
-    case 2: return rows<Q4, 2>(w, x, y, ldy, begin, end);
-    case 3: return rows<Q4, 3>(w, x, y, ldy, begin, end);
-    case 4: return rows<Q4, 4>(w, x, y, ldy, begin, end);
-    case 5: return rows<Q4, 5>(w, x, y, ldy, begin, end);
-    case 6: return rows<Q4, 6>(w, x, y, ldy, begin, end);
-    case 7: return rows<Q4, 7>(w, x, y, ldy, begin, end);
-    default: return rows<Q4, 8>(w, x, y, ldy, begin, end);
+    case 1: return rows<1>(w, x, y, ldy, begin, end);
+    case 2: return rows<2>(w, x, y, ldy, begin, end);
+    case 3: return rows<3>(w, x, y, ldy, begin, end);
+    case 4: return rows<4>(w, x, y, ldy, begin, end);
+    case 5: return rows<5>(w, x, y, ldy, begin, end);
+    case 6: return rows<6>(w, x, y, ldy, begin, end);
+    case 7: return rows<7>(w, x, y, ldy, begin, end);
+    default: return rows<8>(w, x, y, ldy, begin, end);
   }
 }
+
+// ---- both -------------------------------------------------------------------------------------
 
 void check(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, int64_t row_bytes) {
   TORCH_CHECK(x.device().is_cpu() &&
@@ -285,24 +364,27 @@ void check(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, int64_
               "scales: [out, ", blocks, "] float16 contiguous");
 }
 
-template <bool Q4>
-at::Tensor linear(const at::Tensor& input, const Weights& w, int64_t out) {
+// y [rows, out] = x times the weights, `pass(rows, view, y, ldy, begin, end)` computing up to
+// `max_rows` rows over units [begin, end) of `units` (output rows or tiles) `unit_rows` wide.
+// Units are split across threads; every thread sees all input rows, max_rows at a time, over a
+// few units whose weights stay in the core's cache between row groups.
+template <typename Pass>
+at::Tensor linear(const at::Tensor& input, int64_t out, int64_t units, int max_rows,
+                  int64_t grain, const Pass& pass) {
   const at::Tensor x = input.to(at::kFloat).contiguous();
   const Rows rounded = round_rows(x);
   const int64_t n = x.size(0);
+  const int64_t in = x.size(1), blocks = in / kBlock;
   const RowsView v{rounded.q.const_data_ptr<int8_t>(), rounded.d.const_data_ptr<float>(),
-                   rounded.s.const_data_ptr<float>(), x.size(1), w.blocks};
+                   rounded.s.const_data_ptr<float>(), in, blocks};
   at::Tensor y = at::empty({n, out}, x.options());
   float* yp = y.data_ptr<float>();
-  // Output rows split across threads; every thread sees all input rows, kMaxRows at a time,
-  // over a tile of output rows whose weights stay in the core's cache between row groups.
-  at::parallel_for(0, out, kTile, [&](int64_t begin, int64_t end) {
-    for (int64_t o0 = begin; o0 < end; o0 += kTile)
-      for (int64_t r0 = 0; r0 < n; r0 += kMaxRows) {
-        const RowsView part{v.q + r0 * v.in, v.d + r0 * v.blocks, v.s + r0 * v.blocks, v.in,
-                            v.blocks};
-        rows_any<Q4>(static_cast<int>(std::min<int64_t>(kMaxRows, n - r0)), w, part,
-                     yp + r0 * out, out, o0, std::min(o0 + kTile, end));
+  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t u0 = begin; u0 < end; u0 += grain)
+      for (int64_t r0 = 0; r0 < n; r0 += max_rows) {
+        const RowsView part{v.q + r0 * in, v.d + r0 * blocks, v.s + r0 * blocks, in, blocks};
+        pass(static_cast<int>(std::min<int64_t>(max_rows, n - r0)), part, yp + r0 * out, out,
+             u0, std::min(u0 + grain, end));
       }
   });
   return input.scalar_type() == at::kFloat ? y : y.to(input.scalar_type());
@@ -312,36 +394,43 @@ at::Tensor linear(const at::Tensor& input, const Weights& w, int64_t out) {
 
 namespace seqgate {
 
-// x [rows, in] float32 or bfloat16 (the result alike); q [out, in / 2] uint8; d, m [out, in / 32]
-// float16 -> [rows, out].
-at::Tensor q4_q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d,
-                        const at::Tensor& m) {
+// x [rows, in] float32 or bfloat16 (the result alike); q [out, in / 2] uint8, d, m [out, in / 32]
+// float16, all in tiles of 8 output rows (the layout above; out a multiple of 8) -> [rows, out].
+at::Tensor q4x8_q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d,
+                          const at::Tensor& m) {
   check(x, q, d, kBlock / 2);
   TORCH_CHECK(q.scalar_type() == at::kByte, "weights: uint8");
   TORCH_CHECK(m.is_contiguous() && m.scalar_type() == at::kHalf && m.sizes() == d.sizes(),
               "mins: shaped as the scales, float16 contiguous");
-  const Weights w{q.const_data_ptr<uint8_t>(), d.const_data_ptr<at::Half>(),
-                  m.const_data_ptr<at::Half>(), d.size(1), q.size(1)};
-  return linear<true>(x, w, q.size(0));
+  TORCH_CHECK(q.size(0) % kTileRows == 0, "weights: output rows a multiple of 8 (tiles)");
+  const Tiles w{q.const_data_ptr<uint8_t>(), d.const_data_ptr<at::Half>(),
+                m.const_data_ptr<at::Half>(), d.size(1)};
+  // 4 rows a pass: the int16 sums, fp32 sums and the weights' vectors fill the 16 registers.
+  return linear(x, q.size(0), q.size(0) / kTileRows, 4, 4,
+                [&](int n, const RowsView& v, float* y, int64_t ldy, int64_t b, int64_t e) {
+                  tiles_any(n, w, v, y, ldy, b, e);
+                });
 }
 
 // x [rows, in] float32 or bfloat16; q [out, in] int8; d [out, in / 32] float16 -> [rows, out].
 at::Tensor q8_q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d) {
   check(x, q, d, kBlock);
   TORCH_CHECK(q.scalar_type() == at::kChar, "weights: int8");
-  const Weights w{reinterpret_cast<const uint8_t*>(q.const_data_ptr<int8_t>()),
-                  d.const_data_ptr<at::Half>(), nullptr, d.size(1), q.size(1)};
-  return linear<false>(x, w, q.size(0));
+  const Weights w{q.const_data_ptr<int8_t>(), d.const_data_ptr<at::Half>(), d.size(1)};
+  return linear(x, q.size(0), q.size(0), 8, 32,
+                [&](int n, const RowsView& v, float* y, int64_t ldy, int64_t b, int64_t e) {
+                  rows_any(n, w, v, y, ldy, b, e);
+                });
 }
 
 }  // namespace seqgate
 
 TORCH_LIBRARY_FRAGMENT(seqgate, m) {
-  m.def("q4_q8_linear(Tensor x, Tensor q, Tensor d, Tensor m) -> Tensor");
+  m.def("q4x8_q8_linear(Tensor x, Tensor q, Tensor d, Tensor m) -> Tensor");
   m.def("q8_q8_linear(Tensor x, Tensor q, Tensor d) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(seqgate, CPU, m) {
-  m.impl("q4_q8_linear", &seqgate::q4_q8_linear);
+  m.impl("q4x8_q8_linear", &seqgate::q4x8_q8_linear);
   m.impl("q8_q8_linear", &seqgate::q8_q8_linear);
 }
