@@ -3,7 +3,8 @@
 Every server runs as a child process on a free 127.0.0.1 port, on the CPU, serving the same local
 safetensors copy of SmolLM2-135M-Instruct (the one seqgate's loader de-quantises the embedded GGUF
 into), so both sides load the same weights:
-  seqgate          `seqgate serve --model DIR --device cpu --port P [extra flags]`
+  seqgate          `python -m app serve --model DIR --device cpu --port P [extra flags]`, in this
+                   checkout (or `--checkout DIR`)
   transformers     `transformers serve DIR --device cpu --port P [--continuous-batching]`
   llama.cpp        `python -m bench.llamacpp_server --port P --parallel C` (xllamacpp, on the
                    GGUF that seqgate embeds, which seqgate de-quantises into DIR; one slot per
@@ -47,14 +48,14 @@ class ServerSpec:
     extra_args: tuple[str, ...] = ()
     ready_path: str = "/health"
     # seqgate from another checkout (`python -m app serve` run there, this interpreter): an
-    # older commit measured beside this one. None: this checkout's `seqgate` script.
+    # older commit measured beside this one. None: this checkout's. Not the `seqgate` script:
+    # an editable install runs the code of the checkout it was installed from, which a
+    # benchmark run from a worktree of a fixed commit would then not measure.
     checkout: Path | None = None
 
     def argv(self, model_dir: Path, port: int) -> list[str]:
         if self.kind == "seqgate":
-            launcher = [sys.executable, "-m", "app"] if self.checkout is not None else \
-                [_venv_script("seqgate")]
-            return [*launcher, "serve", "--model", str(model_dir), "--device", "cpu",
+            return [sys.executable, "-m", "app", "serve", "--model", str(model_dir), "--device", "cpu",
                     "--host", "127.0.0.1", "--port", str(port),
                     *(a.replace("{model}", str(model_dir)) for a in self.extra_args)]
         if self.kind == "transformers":
@@ -79,8 +80,8 @@ class ServerSpec:
 
     @property
     def cwd(self) -> Path | None:
-        """Where the server runs: its checkout; `app` runs in this one unless given another."""
-        return self.checkout or (REPO if self.kind == "app" else None)
+        """Where the server runs: its checkout; seqgate runs in this one unless given another."""
+        return self.checkout or (REPO if self.kind in ("app", "seqgate") else None)
 
     def for_concurrency(self, concurrency: int) -> ServerSpec:
         """The spec for a run at `concurrency`: llama.cpp gets one slot per concurrent request

@@ -10,6 +10,7 @@ from pathlib import Path
 from bench.servers import (
     LLAMA_CPP,
     LLAMA_CPP_LOOKUP,
+    REPO,
     SEQGATE,
     SEQGATE_NO_SPEC,
     SWEEP_SERVERS,
@@ -46,5 +47,7 @@ def test_seqgate_from_another_checkout_runs_its_app_module_there():
     argv = spec.argv(Path("/models/x"), 8123)
     assert argv[:4] == [sys.executable, "-m", "app", "serve"]
     assert argv[argv.index("--model") + 1] == "/models/x"
-    assert SEQGATE.argv(Path("/models/x"), 8123)[1] == "serve"  # this checkout: the script
-    assert SEQGATE.checkout is None
+    # This checkout's the same way, in this checkout: an editable install's `seqgate` script
+    # would run the code of the checkout it was installed from, not a worktree's.
+    assert SEQGATE.argv(Path("/models/x"), 8123)[:4] == [sys.executable, "-m", "app", "serve"]
+    assert SEQGATE.checkout is None and SEQGATE.cwd == REPO

@@ -160,12 +160,14 @@ void tiles(const Tiles& w, const RowsView& x, float* y, int64_t ldy, int64_t beg
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
         for (int r = 0; r < R; ++r) {
           const int8_t* row = x.q + r * x.in + b * kBlock;
-          const __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(row + 4 * h)),
-                                                _mm256_maddubs_epi16(hi, broadcast4(row + 16 + 4 * h)));
+          const __m256i both =
+              _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(row + 4 * h)),
+                               _mm256_maddubs_epi16(hi, broadcast4(row + 16 + 4 * h)));
           sums[r] = h == 0 ? both : _mm256_add_epi16(sums[r], both);
         }
       }
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b * kTileRows)));
+      const __m256 d = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b * kTileRows)));
       for (int r = 0; r < R; ++r) {
         const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
         const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x.d[r * x.blocks + b]));
@@ -174,7 +176,8 @@ void tiles(const Tiles& w, const RowsView& x, float* y, int64_t ldy, int64_t beg
     }
     // The mins in a pass of their own: fewer registers held in the pass above.
     for (int64_t b = 0; b < w.blocks; ++b) {
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + b * kTileRows)));
+      const __m256 m = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + b * kTileRows)));
       for (int r = 0; r < R; ++r)
         mins[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[r * x.blocks + b]), mins[r]);
     }
