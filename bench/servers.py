@@ -55,8 +55,8 @@ class ServerSpec:
 
     def argv(self, model_dir: Path, port: int) -> list[str]:
         if self.kind == "seqgate":
-            return [sys.executable, "-m", "app", "serve", "--model", str(model_dir), "--device", "cpu",
-                    "--host", "127.0.0.1", "--port", str(port),
+            return [sys.executable, "-m", "app", "serve", "--model", str(model_dir),
+                    "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
                     *(a.replace("{model}", str(model_dir)) for a in self.extra_args)]
         if self.kind == "transformers":
             return [_venv_script("transformers"), "serve", str(model_dir), "--device", "cpu",

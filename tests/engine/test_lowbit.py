@@ -14,7 +14,15 @@ import torch
 
 from engine import EngineConfig, LoadedModel, SamplingParams
 from engine.model import llama_layers, lowbit
-from engine.model.blocks import BLOCK, blocks_of_bf16, exact_blocks, rounded_blocks, tile_q4
+from engine.model.blocks import (
+    BLOCK,
+    Blocks,
+    blocks_of_bf16,
+    exact_blocks,
+    rounded_blocks,
+    tile_q4,
+    untile_q4,
+)
 from engine.model.lowbit import BlockLinear
 from engine.model.onednn import supported as onednn_bf16
 from engine.model.prepare import original_model, prepare
@@ -206,6 +214,33 @@ def test_a_row_rounded_to_8_bits_gets_the_same_result_alone_or_beside_others(ops
         ops.q8_q8_linear(torch.randn(2, 4 * BLOCK - 1), blocks.q, blocks.d)
     with pytest.raises(RuntimeError, match="weights"):
         ops.q8_q8_linear(torch.randn(2, 4 * BLOCK), blocks.q[:, :-1].contiguous(), blocks.d)
+
+
+def test_q4_tiles_hold_the_same_blocks_and_stack_by_rows():
+    """int4's layout for the 8-bit rows kernel: Q4_1 blocks of 8 output rows interleaved, the
+    same bytes reordered (back in rows unchanged, the same weights), whole tiles in whole rows
+    of the tensors (two layers' tiles stacked are the stacked layers' tiles); none for rows
+    that do not make whole tiles, which keep the exact kernel."""
+    a, b = (rounded_blocks(torch.randn(rows, 3 * BLOCK), "q4") for rows in (16, 24))
+    ta, tb = tile_q4(a), tile_q4(b)
+    assert ta.kind == "q4x8" and ta.q.shape == a.q.shape and ta.d.shape == a.d.shape
+    back = untile_q4(ta)
+    assert all(torch.equal(x, y) for x, y in zip((back.q, back.d, back.m), (a.q, a.d, a.m)))
+    assert torch.equal(ta.dense(), a.dense())
+    both = tile_q4(Blocks("q4", torch.cat([a.q, b.q]), torch.cat([a.d, b.d]),
+                          torch.cat([a.m, b.m])))
+    assert torch.equal(both.q, torch.cat([ta.q, tb.q])) and torch.equal(both.m,
+                                                                         torch.cat([ta.m, tb.m]))
+    # byte 4k + c of vector h in tile 1, block 2: row 8 + k's columns 4h + c (low nibble) and
+    # 16 + 4h + c (high)
+    k, c, h = 5, 2, 3
+    byte = int(tb.q.view(3, 3, 4, 32)[1, 2, h, 4 * k + c])
+    row = b.dense()[8 + k, 2 * BLOCK:3 * BLOCK]
+    d, m = float(b.d[8 + k, 2]), float(b.m[8 + k, 2])
+    assert (byte & 0x0F) * d + m == pytest.approx(float(row[4 * h + c]), rel=1e-6)
+    assert (byte >> 4) * d + m == pytest.approx(float(row[16 + 4 * h + c]), rel=1e-6)
+    assert tile_q4(rounded_blocks(torch.randn(12, BLOCK), "q4")) is None
+    assert tile_q4(rounded_blocks(torch.randn(16, BLOCK), "q8")) is None
 
 
 @needs_kernel
