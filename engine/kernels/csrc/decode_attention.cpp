@@ -17,7 +17,8 @@
 // On a CPU with AVX512-BF16, bf16 keys are dotted with the query by its pair instruction
 // (`scores_bf16_dot`, chosen at run time), without widening them to fp32.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -7,7 +7,13 @@
 // scaling passes cost more than int8 saves over bf16 (six operators over the activations and
 // three over the int32 sums). Here each is one vectorised pass over its rows.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_int_mm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/randint.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -19,7 +19,13 @@
 // (kInt8, weight, scales, None) as engine.model.w8a8.W8A8Linear's packed weights, without a
 // bias; `block_product` multiplies it.
 
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/TensorIterator.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/roll.h>
+#include <ATen/ops/rsqrt.h>
+#include <ATen/ops/silu.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

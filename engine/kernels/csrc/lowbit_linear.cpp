@@ -23,7 +23,10 @@
 // h16_linear (the library is built by engine/kernels/native.py); checked in
 // tests/engine/test_lowbit.py.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>

@@ -32,7 +32,8 @@
 // built into the AVX512 library), other CPUs run the same arithmetic in a scalar loop. Checked in
 // tests/engine/test_lowbit.py.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
