@@ -6,6 +6,8 @@ engine.model.lowbit."""
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -120,8 +122,16 @@ def exact_blocks(weight: torch.Tensor) -> Blocks | None:
     then fp16) where they are such values; None where none does."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
         return None
-    return (_q4(weight, exact=True) or _q8(weight, exact=True) or _h16(weight, torch.bfloat16)
-            or _h16(weight, torch.float16))
+    kinds = (functools.partial(_q4, exact=True), functools.partial(_q8, exact=True),
+             functools.partial(_h16, dtype=torch.bfloat16),
+             functools.partial(_h16, dtype=torch.float16))
+    # Each kind is tried on a few rows first: weights that are no kind's (any model not from a
+    # GGUF file) are then turned down without four passes over each layer, which took seconds
+    # per engine for a 49152-row output head.
+    for kind in kinds:
+        if kind(weight[:8]) is not None and (blocks := kind(weight)) is not None:
+            return blocks
+    return None
 
 
 def blocks_of_bf16(weight: torch.Tensor) -> Blocks | None:
