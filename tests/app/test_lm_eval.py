@@ -32,12 +32,9 @@ def _task_dir(tmp_path: Path) -> Path:
     return folder
 
 
-def _evaluate(model, task_dir: Path) -> tuple[float, list[list[float]]]:
+def _evaluate(model, tasks) -> tuple[float, list[list[float]]]:
     """Accuracy and, per document, each choice's log-likelihood."""
-    from lm_eval.tasks import TaskManager
-
-    out = lm_eval.simple_evaluate(model=model, tasks=[TASK], log_samples=True,
-                                  task_manager=TaskManager(include_path=str(task_dir)))
+    out = lm_eval.simple_evaluate(model=model, tasks=[TASK], log_samples=True, task_manager=tasks)
     samples = sorted(out["samples"][TASK], key=lambda s: s["doc_id"])
     scores = [[float(r[0][0]) for r in s["resps"]] for s in samples]
     return out["results"][TASK]["acc,none"], scores
@@ -46,9 +43,11 @@ def _evaluate(model, task_dir: Path) -> tuple[float, list[list[float]]]:
 def test_lm_eval_multiple_choice_matches_its_own_hf_model(live_server, tmp_path, monkeypatch):
     from lm_eval.models.huggingface import HFLM
     from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks import TaskManager
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    task_dir = _task_dir(tmp_path)
+    # Our task alone: indexing lm-eval's thousands of built-in task files took seconds a run.
+    tasks = TaskManager(include_path=str(_task_dir(tmp_path)), include_defaults=False)
     # lm-eval loads the tokenizer by path: the served one, saved (the embedded model's own
     # folder holds a GGUF, which a tokenizer alone does not load from).
     live_server.engine.tokenizer.save_pretrained(tmp_path / "tokenizer")
@@ -56,10 +55,10 @@ def test_lm_eval_multiple_choice_matches_its_own_hf_model(live_server, tmp_path,
         base_url=live_server.base_url + "/completions", model=live_server.gateway.model_name,
         tokenizer_backend="huggingface", tokenized_requests=True,
         tokenizer=str(tmp_path / "tokenizer"), max_retries=1, num_concurrent=1)
-    acc, scores = _evaluate(served, task_dir)
+    acc, scores = _evaluate(served, tasks)
     fresh = load_model(EngineConfig(dtype="fp32"))  # transformers' own layers, nothing installed
     own_acc, own_scores = _evaluate(HFLM(pretrained=fresh.model, tokenizer=fresh.tokenizer,
-                                         batch_size=1), task_dir)
+                                         batch_size=1), tasks)
     print(f"lm-eval {TASK}: acc {acc} through the server, {own_acc} through HFLM")
     assert acc == own_acc and acc > 0.5, (acc, own_acc)
     for ours, theirs in zip(scores, own_scores, strict=True):
