@@ -43,7 +43,7 @@ def test_serve_seed_properties_then_drain_on_sigterm(tmp_path):
     props = tmp_path / "serving.properties"
     props.write_text(SEED_PROPERTIES.replace("/models/SmolLM2-135M-Instruct.gguf",
                                              str(embedded_model_path())))
-    env = {**os.environ, "SEQGATE_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--config", str(props),
                              "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
@@ -109,7 +109,7 @@ def _running_sequences(url: str) -> float:
 
 
 def start_cli(*args: str) -> tuple[subprocess.Popen, queue.Queue[str], list[str]]:
-    env = {**os.environ, "SEQGATE_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "app", "serve", "--port", "0", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines: queue.Queue[str] = queue.Queue()
