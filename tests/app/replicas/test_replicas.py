@@ -215,6 +215,9 @@ def test_round_robin_caches_less_than_prefix_affinity(start_gateway, affinity, t
     assert all(len(r) == 2 for r in figures["replicas_per_prompt"].values()), figures
     assert "prefix_affinity" in FIGURES, "run the whole module: the affinity figures come first"
     assert figures["cached_fraction"] < FIGURES["prefix_affinity"]["cached_fraction"], FIGURES
+    # Stopped here: the next gateway's deployment would otherwise replace these replicas one at
+    # a time (Ray Serve's rolling update) instead of starting its own two together.
+    assert rr.stop() == 0
 
 
 def test_429_only_once_every_replica_queue_is_full(start_gateway, affinity):
