@@ -391,7 +391,8 @@ def blocks_dense(layer: BlockLinear) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize("quantize", ["none", "bf16-values"])
-def test_greedy_with_blocks_equals_generate_alone_and_batched(smollm2, make_engine, quantize):
+def test_greedy_with_blocks_equals_generate_alone_and_batched(smollm2, make_engine, quantize,
+                                                              monkeypatch):
     """The anchor with the kernel serving every decode forward (max_rows forced above the
     batch): exact blocks against generate on the fp32 model, and 16-bit values (the model's
     weights rounded to bf16 beforehand, as a bf16 model loaded in fp32 holds them) against
@@ -404,6 +405,8 @@ def test_greedy_with_blocks_equals_generate_alone_and_batched(smollm2, make_engi
         with torch.no_grad():
             for p in loaded.model.parameters():
                 p.copy_(p.bfloat16().float())
+        # Its row limit is set below: timing one for these blocks (seconds) would be unused.
+        monkeypatch.setattr(lowbit, "_max_rows", lambda layers, cache, key: (64, None))
     eng = make_engine(loaded, quantize="none" if quantize == "bf16-values" else quantize,
                       prompt_cache_bytes=0)
     layers = [m for m in loaded.model.modules() if isinstance(m, BlockLinear)]
@@ -453,6 +456,8 @@ def test_int4_rounds_rows_to_8_bits_and_a_sequence_decodes_as_it_would_alone(
     from tests.engine.test_speculative import COPYING
 
     loaded = _fresh(smollm2)
+    # The row limits are set below (_kernel_rows): timing them (seconds) would be unused.
+    monkeypatch.setattr(lowbit, "_max_rows", lambda layers, cache, key: (64, None))
     eng = make_engine(loaded, quantize="int4", prompt_cache_bytes=0, num_speculative_tokens=0)
     model = loaded.model
     layers = [m for m in model.modules() if isinstance(m, BlockLinear)]
