@@ -29,7 +29,10 @@ import llguidance
 import llguidance.hf
 import torch
 from llguidance import LLMatcher
-from llguidance.torch import fill_next_token_bitmask_par
+
+# The numpy entry, not llguidance.torch's: the same call into the library, without the
+# torch.compile'd helper that module builds at import (seconds of every process start).
+from llguidance.numpy import fill_next_token_bitmask_par
 
 from engine.errors import InvalidGrammar
 
@@ -255,7 +258,8 @@ class GrammarMasks:
         # llguidance fills host memory; pinned, it reaches a GPU without a synchronisation.
         bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32,
                              pin_memory=logits.device.type == "cuda")
-        fill_next_token_bitmask_par(self._executor, [(matchers[i], i) for i in rows], bitmask)
+        fill_next_token_bitmask_par(self._executor, [(matchers[i], i) for i in rows],
+                                    bitmask.numpy())
         allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[-1])
         logits = logits.masked_fill(~allowed, float("-inf"))
         self.masked_tokens += len(rows)
