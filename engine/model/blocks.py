@@ -7,7 +7,6 @@ engine.model.lowbit."""
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 
 import torch

@@ -78,6 +78,9 @@ def test_exact_blocks_are_found_only_where_the_weights_are_blocks():
     noisy = _q4_weight(48, 4 * BLOCK)
     noisy[3, 5] += 1e-4  # one weight off the grid: the layer has no exact blocks
     assert exact_blocks(noisy) is None
+    late = _q4_weight(48, 4 * BLOCK)
+    late[40, 5] += 1e-4  # past the first rows, which each kind is tried on first
+    assert exact_blocks(late) is None
     assert exact_blocks(torch.randn(48, 4 * BLOCK)) is None
     assert exact_blocks(_q4_weight(48, 4 * BLOCK).bfloat16()) is None  # fp32 only
     assert exact_blocks(torch.zeros(8, BLOCK)) is not None  # d = 0: every weight is m
