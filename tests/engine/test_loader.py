@@ -91,8 +91,13 @@ def test_expandable_segments_unless_the_user_configured_the_allocator():
 
 def test_first_load_in_bf16_still_caches_fp32_weights(smollm2, tmp_path):
     """The cache holds the fp32 de-quantisation whatever dtype the first start asked for."""
+    import gguf
+
     first = load_model(EngineConfig(cache_dir=str(tmp_path), dtype="bf16"))
     assert not first.from_cache and next(first.model.parameters()).dtype == torch.bfloat16
+    # The reader and name map kept during the load (loader._gguf_parsed_once) are gguf's again.
+    assert gguf.GGUFReader is gguf.gguf_reader.GGUFReader
+    assert gguf.get_tensor_name_map is gguf.tensor_mapping.get_tensor_name_map
     second = load_model(EngineConfig(cache_dir=str(tmp_path), dtype="fp32"))
     assert second.from_cache
     for (name, a), (_, b) in zip(smollm2.model.named_parameters(), second.model.named_parameters()):
