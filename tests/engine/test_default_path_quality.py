@@ -126,17 +126,14 @@ def test_default_path_next_tokens_match_fp32(dtype, quantize, smollm2, fp32_refe
     assert loaded.model is not smollm2.model  # the engine works on its own copy
     attention = smollm2.model.config._attn_implementation
     if quantize == "w8a8":
-        # Every forward in int8 (min_rows set below): the row count the host would time
-        # (seconds) is unused here.
+        # Every forward in int8, the lean layers' stacks included: the install's row limit is
+        # 1, not the one the host would time (seconds).
         monkeypatch.setattr(w8a8, "_min_rows", lambda layers, cache, key: (1, None))
     eng = make_engine(loaded, dtype=dtype, quantize=quantize)
     assert smollm2.model.config._attn_implementation == attention  # the fixture is untouched
     if quantize == "w8a8":
-        # Every forward in int8.
         forced = [m for m in loaded.model.modules() if isinstance(m, w8a8.W8A8Linear)]
-        assert forced
-        for m in forced:
-            m.min_rows = 1
+        assert forced and all(m.min_rows == 1 for m in forced)
 
     prompts = [chat_prompt(loaded.tokenizer, q) for q in QUESTIONS]
     handles = [eng.submit(ids, SamplingParams(strategy="greedy", max_new_tokens=NEW_TOKENS,
