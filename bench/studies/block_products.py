@@ -2,9 +2,11 @@
 through its few-row kernel, at a few row counts (as decode steps and verified drafts call them),
 for this checkout's build of the native kernels.
 
-    python -m bench.studies.block_products [--quantize int4] [--rows 1,2,4,5,8] [--rounds 3]
+    python -m bench.studies.block_products [--quantize int4|int8|exact] [--rows 1,2,4,5,8]
+        [--rounds 3]
 
-The layers are grouped by block kind (the Q8_0 head apart from the rest under int4). One process
+The layers are grouped by block kind (the Q8_0 head apart from the rest under int4); `exact` is
+the default path's kernel (the GGUF's own blocks, multiplied in fp32). One process
 loads one build of the kernels, so two commits are compared by running this in each checkout in
 turn, several rounds each (this host's timings move between runs)."""
 
@@ -24,7 +26,7 @@ from engine.model import lowbit
 
 def main() -> None:
     ap = base_parser(__doc__.splitlines()[0])
-    ap.add_argument("--quantize", default="int4", choices=["int4", "int8"])
+    ap.add_argument("--quantize", default="int4", choices=["int4", "int8", "exact"])
     ap.add_argument("--rows", default="1,2,4,5,8")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--passes", type=int, default=21, help="passes per row count (min, median)")
@@ -32,7 +34,8 @@ def main() -> None:
     if args.quick:
         args.rounds, args.passes, args.rows = 1, 3, "1,5"
     loaded = load(args.threads, args.device, "fp32")
-    model = variant(loaded.model.eval(), f"{args.quantize}-q8")
+    model = variant(loaded.model.eval(), "exact" if args.quantize == "exact"
+                    else f"{args.quantize}-q8")
     groups: dict[str, list[lowbit.BlockLinear]] = defaultdict(list)
     for m in model.modules():
         if isinstance(m, lowbit.BlockLinear):

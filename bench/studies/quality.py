@@ -54,7 +54,7 @@ from engine.model.loader import default_cache_dir
 from engine.model.quantize import quantize_model
 
 VARIANTS = ("bf16", "int4", "int8", "int4-q8", "int8-q8", "torch-int4", "w8a8", "w8a8-native",
-            "bf16-w8a8")
+            "bf16-w8a8", "exact")
 
 
 def _rounded(model: torch.nn.Module, layers: str) -> torch.nn.Module:
@@ -77,15 +77,15 @@ def variant(model: torch.nn.Module, name: str) -> torch.nn.Module:
         return copy.deepcopy(model).to(torch.bfloat16)
     if name in ("int4", "int8"):
         return _rounded(model, name)
-    if name in ("int4-q8", "int8-q8"):
+    if name in ("int4-q8", "int8-q8", "exact"):
         out = copy.deepcopy(model)
         ops = native.kernels(default_cache_dir())
         if ops is None:
             raise RuntimeError(f"{name}: the native kernels do not build here")
-        lowbit.install(out, ops, name.removesuffix("-q8"), None)
+        lowbit.install(out, ops, "none" if name == "exact" else name.removesuffix("-q8"), None)
         for layer in out.modules():
             if isinstance(layer, lowbit.BlockLinear):
-                assert layer.int8_rows
+                assert layer.int8_rows == (name != "exact")
                 layer.max_rows = 1 << 30  # the kernel on every forward, as on decode steps
         return out
     if name == "torch-int4":

@@ -64,13 +64,23 @@ inline void unpack_q4(const uint8_t* p, Vecs<kPer>& q) {
   q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low));
   q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high));
 #elif defined(CPU_CAPABILITY_AVX2)
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i low = _mm_and_si128(b, _mm_set1_epi8(0x0F));
-  const __m128i high = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
-  q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
-  q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
-  q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
-  q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
+  // The 16 bytes in both halves of a register, each byte moved into the low byte of a 32-bit
+  // lane by one in-lane shuffle (bytes 0-7, then 8-15); the low nibbles are columns 0-15, the
+  // high ones 16-31. Widening with vpmovzxbd instead takes lane-crossing shuffles and byte
+  // shifts, and one row's product is bound by these instructions, not by the bytes it reads.
+  const __m256i b =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i first = _mm256_shuffle_epi8(
+      b, _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1, 4, -1, -1,
+                          -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1));
+  const __m256i second = _mm256_shuffle_epi8(
+      b, _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1, 12, -1,
+                          -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1));
+  const __m256i nibble = _mm256_set1_epi32(0x0F);
+  q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(first, nibble));
+  q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(second, nibble));
+  q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4));
+  q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4));
 #else
   alignas(64) float f[kBlock];
   for (int j = 0; j < kBlock / 2; ++j) {
@@ -139,18 +149,43 @@ struct Weights {
   int64_t blocks, row_bytes;
 };
 
-// Block b of output row o as floats.
+// The block constants of kScales blocks from block b of output row o as floats (`n` of them,
+// the rest left as they were): one conversion of 8 where the build has F16C, instead of a
+// scalar conversion and a broadcast per block and constant.
+constexpr int kScales = 8;
+
+inline void halves(const at::Half* h, int n, float* f) {
+#if defined(__F16C__)
+  if (n == kScales) {
+    _mm256_storeu_ps(f, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))));
+    return;
+  }
+#endif
+  for (int i = 0; i < n; ++i) f[i] = static_cast<float>(h[i]);
+}
+
+struct Scales {
+  alignas(32) float d[kScales], m[kScales];
+};
+
 template <Kind K>
-inline void weights_of(const Weights& w, int64_t o, int64_t b, Vecs<kPer>& wv) {
+inline void scales_of(const Weights& w, int64_t o, int64_t b, int n, Scales& s) {
+  if constexpr (K == Kind::Q4 || K == Kind::Q8) halves(w.d + o * w.blocks + b, n, s.d);
+  if constexpr (K == Kind::Q4) halves(w.m + o * w.blocks + b, n, s.m);
+}
+
+// Block b of output row o as floats, its constants `s` at `i`.
+template <Kind K>
+inline void weights_of(const Weights& w, int64_t o, int64_t b, const Scales& s, int i,
+                       Vecs<kPer>& wv) {
   const uint8_t* qrow = w.q + o * w.row_bytes;
   if constexpr (K == Kind::Q4) {
     unpack_q4(qrow + b * (kBlock / 2), wv);
-    const Vec d(static_cast<float>(w.d[o * w.blocks + b]));
-    const Vec m(static_cast<float>(w.m[o * w.blocks + b]));
+    const Vec d(s.d[i]), m(s.m[i]);
     for (int k = 0; k < kPer; ++k) wv[k] = at::vec::fmadd(wv[k], d, m);
   } else if constexpr (K == Kind::Q8) {
     unpack_q8(reinterpret_cast<const int8_t*>(qrow) + b * kBlock, wv);
-    const Vec d(static_cast<float>(w.d[o * w.blocks + b]));
+    const Vec d(s.d[i]);
     for (int k = 0; k < kPer; ++k) wv[k] = wv[k] * d;
   } else {
     unpack_h16<K>(reinterpret_cast<const uint16_t*>(qrow) + b * kBlock, wv);
@@ -162,21 +197,44 @@ inline void weights_of(const Weights& w, int64_t o, int64_t b, Vecs<kPer>& wv) {
 // keep the multiply-add units busy: one or two rows get a partial sum per vector of the block,
 // three or four two each (one each left 3 rows waiting on the adds' latency: 8.4 against
 // 7.1 ms a pass over the embedded model's layers, AVX2; 5 rows gained nothing), more one each.
+//
+// The weights of the output row kAhead rows on are fetched into the cache while this one is
+// multiplied: each layer's rows stream from memory once, and the hardware's prefetch, starting
+// over at every layer, fell behind.
+constexpr int64_t kAhead = 4;
+
+// Fetches output row o + kAhead where it is before `end` (the thread's last row).
+template <Kind K>
+inline void fetch_ahead(const Weights& w, int64_t o, int64_t end) {
+  if (o + kAhead >= end) return;
+  const uint8_t* q = w.q + (o + kAhead) * w.row_bytes;
+  for (int64_t c = 0; c < w.row_bytes; c += 64) __builtin_prefetch(q + c);
+  if constexpr (K == Kind::Q4 || K == Kind::Q8)
+    __builtin_prefetch(w.d + (o + kAhead) * w.blocks);
+  if constexpr (K == Kind::Q4) __builtin_prefetch(w.m + (o + kAhead) * w.blocks);
+}
+
 template <Kind K, int R>
 void rows(const Weights& w, const float* x, int64_t ldx, float* y, int64_t ldy,
-          int64_t begin, int64_t end) {
+          int64_t begin, int64_t end, int64_t limit) {
   constexpr int A = R <= 2 ? kPer : R <= 4 ? std::min(2, kPer) : 1;
   for (int64_t o = begin; o < end; ++o) {
+    fetch_ahead<K>(w, o, limit);
     Vecs<R * A> acc;
     for (int i = 0; i < R * A; ++i) acc[i] = Vec(0.f);
-    for (int64_t b = 0; b < w.blocks; ++b) {
-      Vecs<kPer> wv;
-      weights_of<K>(w, o, b, wv);
-      const float* xb = x + b * kBlock;
-      for (int r = 0; r < R; ++r)
-        for (int k = 0; k < kPer; ++k)
-          acc[r * A + k % A] =
-              at::vec::fmadd(wv[k], Vec::loadu(xb + r * ldx + k * kLanes), acc[r * A + k % A]);
+    for (int64_t b0 = 0; b0 < w.blocks; b0 += kScales) {
+      const int n = static_cast<int>(std::min<int64_t>(kScales, w.blocks - b0));
+      Scales s;
+      scales_of<K>(w, o, b0, n, s);
+      for (int i = 0; i < n; ++i) {
+        Vecs<kPer> wv;
+        weights_of<K>(w, o, b0 + i, s, i, wv);
+        const float* xb = x + (b0 + i) * kBlock;
+        for (int r = 0; r < R; ++r)
+          for (int k = 0; k < kPer; ++k)
+            acc[r * A + k % A] = at::vec::fmadd(wv[k], Vec::loadu(xb + r * ldx + k * kLanes),
+                                                acc[r * A + k % A]);
+      }
     }
     for (int r = 0; r < R; ++r) {
       Vec s = acc[r * A];
@@ -189,16 +247,16 @@ void rows(const Weights& w, const float* x, int64_t ldx, float* y, int64_t ldy,
 
 template <Kind K>
 void rows_any(int n, const Weights& w, const float* x, int64_t ldx, float* y, int64_t ldy,
-              int64_t begin, int64_t end) {
+              int64_t begin, int64_t end, int64_t limit) {
   switch (n) {
-    case 1: return rows<K, 1>(w, x, ldx, y, ldy, begin, end);
-    case 2: return rows<K, 2>(w, x, ldx, y, ldy, begin, end);
-    case 3: return rows<K, 3>(w, x, ldx, y, ldy, begin, end);
-    case 4: return rows<K, 4>(w, x, ldx, y, ldy, begin, end);
-    case 5: return rows<K, 5>(w, x, ldx, y, ldy, begin, end);
-    case 6: return rows<K, 6>(w, x, ldx, y, ldy, begin, end);
-    case 7: return rows<K, 7>(w, x, ldx, y, ldy, begin, end);
-    default: return rows<K, 8>(w, x, ldx, y, ldy, begin, end);
+    case 1: return rows<K, 1>(w, x, ldx, y, ldy, begin, end, limit);
+    case 2: return rows<K, 2>(w, x, ldx, y, ldy, begin, end, limit);
+    case 3: return rows<K, 3>(w, x, ldx, y, ldy, begin, end, limit);
+    case 4: return rows<K, 4>(w, x, ldx, y, ldy, begin, end, limit);
+    case 5: return rows<K, 5>(w, x, ldx, y, ldy, begin, end, limit);
+    case 6: return rows<K, 6>(w, x, ldx, y, ldy, begin, end, limit);
+    case 7: return rows<K, 7>(w, x, ldx, y, ldy, begin, end, limit);
+    default: return rows<K, 8>(w, x, ldx, y, ldy, begin, end, limit);
   }
 }
 
@@ -209,15 +267,22 @@ void rows_any(int n, const Weights& w, const float* x, int64_t ldx, float* y, in
 // sums across lanes are needed; kOuts * NV accumulators stay in registers.
 constexpr int kOuts = 6;
 
-// Rebuilds output rows [o, o + n) into tile (fp32, `in` columns each).
+// Rebuilds output rows [o, o + n) into tile (fp32, `in` columns each), fetching ahead up to
+// `end`.
 template <Kind K>
-void rebuild(const Weights& w, int64_t o, int n, float* tile) {
+void rebuild(const Weights& w, int64_t o, int n, int64_t end, float* tile) {
   for (int i = 0; i < n; ++i) {
     float* out = tile + i * w.blocks * kBlock;
-    for (int64_t b = 0; b < w.blocks; ++b) {
-      Vecs<kPer> wv;
-      weights_of<K>(w, o + i, b, wv);
-      for (int k = 0; k < kPer; ++k) wv[k].store(out + b * kBlock + k * kLanes);
+    fetch_ahead<K>(w, o + i, end);
+    for (int64_t b0 = 0; b0 < w.blocks; b0 += kScales) {
+      const int nb = static_cast<int>(std::min<int64_t>(kScales, w.blocks - b0));
+      Scales s;
+      scales_of<K>(w, o + i, b0, nb, s);
+      for (int j = 0; j < nb; ++j) {
+        Vecs<kPer> wv;
+        weights_of<K>(w, o + i, b0 + j, s, j, wv);
+        for (int k = 0; k < kPer; ++k) wv[k].store(out + (b0 + j) * kBlock + k * kLanes);
+      }
     }
   }
 }
@@ -252,7 +317,7 @@ void many_rows(const Weights& w, const float* xt, int64_t ldt, int64_t rows, flo
   std::vector<float> tile(static_cast<size_t>(kOuts * in));
   for (int64_t o = begin; o < end; o += kOuts) {
     const int outs = static_cast<int>(std::min<int64_t>(kOuts, end - o));
-    rebuild<K>(w, o, outs, tile.data());
+    rebuild<K>(w, o, outs, end, tile.data());
     if (outs < kOuts)  // rows past the layer's last multiply zeros, their sums unused
       std::fill(tile.begin() + outs * in, tile.end(), 0.f);
     int64_t r0 = 0;
@@ -311,7 +376,8 @@ at::Tensor linear(const at::Tensor& input, const Weights& w, int64_t out) {
     for (int64_t o0 = begin; o0 < end; o0 += kTile)
       for (int64_t r0 = 0; r0 < n; r0 += kMaxRows)
         rows_any<K>(static_cast<int>(std::min<int64_t>(kMaxRows, n - r0)), w,
-                     xp + r0 * ldx, ldx, yp + r0 * out, out, o0, std::min(o0 + kTile, end));
+                     xp + r0 * ldx, ldx, yp + r0 * out, out, o0, std::min(o0 + kTile, end),
+                     end);
   });
   return y;
 }
