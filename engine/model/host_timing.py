@@ -1,5 +1,6 @@
 """Choices timed on the host at start and cached per machine: which product serves which row
-counts (engine/model/lowbit.py, engine/model/w8a8.py)."""
+counts (engine/model/lowbit.py, engine/model/w8a8.py); `cached` keeps other facts about the
+host as well (engine/model/loader.py's file digests)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def cached(path: Path | None, key: str, measure: Callable[[], dict]) -> dict:
             tmp.write_text(json.dumps(known, indent=1))
             tmp.replace(path)
         except OSError as exc:
-            log.warning("could not cache a timed choice at %s: %s", path, exc)
+            log.warning("could not write the cache at %s: %s", path, exc)
     return entry
 
 

@@ -389,7 +389,7 @@ class NativeReport:
     timings: dict | None = None
 
 
-def time_native(model: torch.nn.Module, cache: Path | None, build_key: str,
+def time_native(model: torch.nn.Module, cache: Path | None, code_key: str,
                 threads: int | None) -> NativeReport:
     """Time the row count up to which the native layers multiply in blocks, above it dense
     (cached per host, model shape and limit of the linear layers), and set it as the stacked
@@ -406,7 +406,7 @@ def time_native(model: torch.nn.Module, cache: Path | None, build_key: str,
         return NativeReport(len(natives), 0)
     first = natives[0][1]
     with torch_threads(threads):
-        signature = json.dumps(["native-dense", build_key, torch.get_num_threads(), len(natives),
+        signature = json.dumps(["native-dense", code_key, torch.get_num_threads(), len(natives),
                                 str(first.dtype), own,
                                 [list(b.q.shape) + [b.kind, b.int8_rows]
                                  for b in first.linears],

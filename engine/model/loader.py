@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -24,6 +25,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
+from engine.model.host_timing import cached
 
 log = logging.getLogger("seqgate.loader")
 
@@ -156,12 +158,33 @@ def cache_dir(config: EngineConfig) -> Path:
     return Path(config.cache_dir) if config.cache_dir else default_cache_dir()
 
 
+def file_digest(path: Path, cache_dir: Path) -> str:
+    """The sha256 of the file's content, read once per place, size and time it has: the digest
+    is remembered in `cache_dir` under those."""
+    stat = path.stat()
+    where = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+
+    def digest() -> dict:
+        with open(path, "rb") as f:
+            return {"sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+
+    return cached(Path(cache_dir) / "digests.json", where, digest)["sha256"]
+
+
 def gguf_cache_path(gguf: Path, cache_dir: Path) -> Path:
-    stat = gguf.stat()
-    key = hashlib.sha256(
-        f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()
-    ).hexdigest()[:16]
-    return cache_dir / f"{gguf.stem}-{key}"
+    """Where the de-quantised copy of `gguf` is kept: keyed by the file's content and the
+    versions of what converts it, not by where the file lives, so every installation of the
+    same file (a new virtual environment, another checkout) finds the one copy."""
+    converters = ":".join(_version(name) for name in ("transformers", "gguf"))
+    key = hashlib.sha256(f"{file_digest(gguf, cache_dir)}:{converters}".encode()).hexdigest()
+    return cache_dir / f"{gguf.stem}-{key[:16]}"
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
 
 
 _gguf_lock = threading.Lock()

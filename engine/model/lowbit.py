@@ -161,7 +161,7 @@ class LowbitReport:
 
 
 def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
-            build_key: str = "", threads: int | None = None) -> LowbitReport:
+            code_key: str = "", threads: int | None = None) -> LowbitReport:
     """Give the fp32 CPU linear layers of `model` blocks (in place): exact ones where
     `quantize` is none, rounded ones for int4 (layers Q4_1, the output head Q8_0) and int8
     (all Q8_0). bf16 layers get blocks where `quantize` is none and their values are blocks'
@@ -210,7 +210,7 @@ def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
     if not layers:
         return LowbitReport()
     with torch_threads(threads):
-        max_rows, timings = _max_rows(layers, cache, build_key)
+        max_rows, timings = _max_rows(layers, cache, code_key)
     for layer in layers:
         layer.ops, layer.max_rows = ops, max_rows
     return LowbitReport(
@@ -221,11 +221,11 @@ def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
         any(b.int8_rows for b in layers))
 
 
-def _signature(layers: list[BlockLinear], build_key: str) -> str:
+def _signature(layers: list[BlockLinear], code_key: str) -> str:
     # int8_rows: the same blocks times rows in 8 bits run another kernel, timed on its own.
     shapes = sorted({(b.kind, b.out_features, b.in_features, str(b.weight.dtype), b.int8_rows)
                      for b in layers})
-    return json.dumps([build_key, torch.get_num_threads(), len(layers), shapes, CANDIDATE_ROWS])
+    return json.dumps([code_key, torch.get_num_threads(), len(layers), shapes, CANDIDATE_ROWS])
 
 
 def timings_path(cache: Path | None) -> Path | None:
@@ -234,7 +234,7 @@ def timings_path(cache: Path | None) -> Path | None:
 
 
 def _max_rows(layers: list[BlockLinear], cache: Path | None,
-              build_key: str) -> tuple[int, dict | None]:
+              code_key: str) -> tuple[int, dict | None]:
     """The measured row count (from the cache where this machine measured it before)."""
     path = timings_path(cache)
 
@@ -242,7 +242,7 @@ def _max_rows(layers: list[BlockLinear], cache: Path | None,
         max_rows, timings = choose_max_rows(layers)
         return {"max_rows": max_rows, "timings": timings}
 
-    entry = cached(path, _signature(layers, build_key), measure)
+    entry = cached(path, _signature(layers, code_key), measure)
     return entry["max_rows"], entry["timings"]
 
 

@@ -56,7 +56,7 @@ def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
     blocks = lowbit.LowbitReport()
     if cpu and single and blockable and ops is not None and config.linear_kernel == "auto":
         exact = "none" if config.quantize == "w8a8" else config.quantize
-        blocks = lowbit.install(model, ops, exact, cache_dir(config), native.build_key(),
+        blocks = lowbit.install(model, ops, exact, cache_dir(config), native.code_key(),
                                 config.threads)
         log.info("linear layers: %d in Q4_1 blocks, %d in Q8_0, %d in 16 bits (%s, %.1f MiB), "
                  "the kernel for forwards of at most %d rows%s; ms per pass over all of them at "
@@ -83,7 +83,7 @@ def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
     lean = llama_layers.install(model) if single else 0
     native_layers = llama_layers.NativeReport()
     if lean and blocks.mode != "off":
-        native_layers = llama_layers.time_native(model, cache_dir(config), native.build_key(),
+        native_layers = llama_layers.time_native(model, cache_dir(config), native.code_key(),
                                                  config.threads)
         log.info("native layers: %d, multiplying in blocks up to %s rows; ms per pass over "
                  "their work around the attention at n rows, in blocks vs dense: %s",
@@ -111,7 +111,7 @@ def _install_w8a8(loaded: LoadedModel, config: EngineConfig, single: bool, fp32:
         log.warning("quantize=w8a8 needs the native kernels with exact int8 sums, or an fp32 "
                     "model (--dtype fp32) and FBGEMM: ignored")
         return w8a8.W8A8Report()
-    report = w8a8.install(loaded.model, cache_dir(config), native.build_key(), config.threads,
+    report = w8a8.install(loaded.model, cache_dir(config), native.code_key(), config.threads,
                           ops)
     log.info("w8a8 (%s): %d layers multiply forwards of at least %d rows in int8; ms per pass "
              "over them at n rows, int8 vs exact: %s", report.product, report.layers,

@@ -160,7 +160,7 @@ class W8A8Report:
     product: str = ""  # the native library's (`native_product`) or "fbgemm"
 
 
-def install(model: torch.nn.Module, cache: Path | None, build_key: str = "",
+def install(model: torch.nn.Module, cache: Path | None, code_key: str = "",
             threads: int | None = None, ops=None) -> W8A8Report:
     """Give the CPU linear layers of `model`'s decoder an int8 path (in place): fp32 and bf16
     ones through the native library's product where `ops` is given, else fp32 ones through
@@ -183,7 +183,7 @@ def install(model: torch.nn.Module, cache: Path | None, build_key: str = "",
         return W8A8Report()
     layers = [layer for _, _, layer in made]
     with torch_threads(threads):
-        min_rows, timings = _min_rows(layers, cache, build_key)
+        min_rows, timings = _min_rows(layers, cache, code_key)
     for parent, name, layer in made:
         layer.min_rows = min_rows
         setattr(parent, name, layer)
@@ -192,12 +192,12 @@ def install(model: torch.nn.Module, cache: Path | None, build_key: str = "",
 
 
 def _min_rows(layers: list[W8A8Linear], cache: Path | None,
-              build_key: str) -> tuple[int, dict | None]:
+              code_key: str) -> tuple[int, dict | None]:
     """The measured row count (from the cache where this machine measured it before)."""
     path = None if cache is None else Path(cache) / "kernels" / "w8a8-rows.json"
     shapes = sorted({(type(b.exact).__name__, b.out_features, b.in_features) for b in layers})
     ops = layers[0].ops  # which product: oneDNN's and the int16 one share a build
-    key = json.dumps([build_key, torch.__version__, torch.get_num_threads(), len(layers), shapes,
+    key = json.dumps([code_key, torch.__version__, torch.get_num_threads(), len(layers), shapes,
                       str(layers[0].dtype), ops.int8_product_kind() if ops else "fbgemm",
                       CANDIDATE_ROWS])
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +15,14 @@ import pytest
 import torch
 
 from engine import EngineConfig, ModelLoadError, load_model
-from engine.model.loader import cpu_has_native_bf16, embedded_model_path, resolve_dtype
+from engine.model.loader import (
+    cache_dir,
+    cpu_has_native_bf16,
+    embedded_model_path,
+    file_digest,
+    gguf_cache_path,
+    resolve_dtype,
+)
 from engine.model.prepare import original_model
 
 
@@ -31,6 +40,30 @@ def test_embedded_model_second_load_reads_the_safetensors_cache(smollm2):
 def test_explicit_gguf_path_is_the_same_model():
     loaded = load_model(EngineConfig(model_id=str(embedded_model_path())))
     assert loaded.name == "SmolLM2-135M-Instruct.Q4_1" and loaded.from_cache
+
+
+def test_a_copy_of_the_gguf_elsewhere_loads_the_same_conversion(smollm2, tmp_path):
+    """The conversion is keyed by the file's content: another installation of the package (a
+    new virtual environment) loads the copy the first one wrote instead of converting again."""
+    copy = tmp_path / "elsewhere" / embedded_model_path().name
+    copy.parent.mkdir()
+    shutil.copyfile(embedded_model_path(), copy)
+    cache = cache_dir(EngineConfig())
+    assert gguf_cache_path(copy, cache) == gguf_cache_path(embedded_model_path(), cache)
+    assert load_model(EngineConfig(model_id=str(copy))).from_cache
+
+
+def test_a_files_digest_is_read_once_per_place_and_follows_its_content(tmp_path, monkeypatch):
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"one")
+    reads = []
+    real = hashlib.file_digest
+    monkeypatch.setattr(hashlib, "file_digest", lambda *a: reads.append(a) or real(*a))
+    first = file_digest(f, tmp_path / "cache")
+    assert first == hashlib.sha256(b"one").hexdigest()
+    assert file_digest(f, tmp_path / "cache") == first and len(reads) == 1
+    f.write_bytes(b"other")
+    assert file_digest(f, tmp_path / "cache") == hashlib.sha256(b"other").hexdigest()
 
 
 @pytest.mark.parametrize("model_id", ["/nonexistent/model-dir", "/nonexistent/model.gguf"])

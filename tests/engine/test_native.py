@@ -56,18 +56,19 @@ def test_the_kernel_builds_once_and_says_what_it_is_built_for(kernel):
 
 
 def test_a_new_source_or_new_flags_make_a_new_build(tmp_path, monkeypatch):
-    key = native.build_key()
-    assert len(key) == 16 and key == native.build_key()
+    key, code = native.build_key(), native.code_key()
+    assert len(key) == 16 and key == native.build_key() and code != key
     copy = tmp_path / "decode_attention.cpp"
     copy.write_text(native.SOURCES[0].read_text() + "\n// changed\n")
     monkeypatch.setattr(native, "SOURCES", (copy, *native.SOURCES[1:]))
-    assert native.build_key() != key
+    assert native.build_key() != key and native.code_key() != code
     monkeypatch.undo()
     monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-DSEQGATE_TEST"))
-    assert native.build_key() != key
+    assert native.build_key() != key and native.code_key() != code
     monkeypatch.undo()  # another virtual environment: its headers' paths are in the command
     monkeypatch.setattr(native, "_installation", lambda: ("/other/venv/torch", "/other/include"))
     assert native.build_key() != key
+    assert native.code_key() == code  # the same code: the host's timings of it still hold
 
 
 AVX512_HOST = "fpu sse sse2 avx avx2 fma f16c avx512f avx512dq avx512bw avx512vl"

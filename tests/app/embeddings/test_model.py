@@ -47,6 +47,23 @@ def test_a_short_name_unpacks_the_shipped_model_once(shipped, tmp_path):
     assert marker.exists()  # the second start reads the same folder
 
 
+def test_another_installation_of_the_same_archive_shares_the_unpacked_folder(
+        shipped, tmp_path, monkeypatch):
+    """The folder is keyed by the archive's content, not its place: a second virtual
+    environment with the same package reads the first one's folder."""
+    first = unpack_shipped(shipped, tmp_path / "cache")
+    other = tmp_path / "site2" / "fake_shipped_model_copy"
+    other.mkdir(parents=True)
+    (other / "model.zip").write_bytes((tmp_path / "site" / "fake_shipped_model" /
+                                       "model.zip").read_bytes())
+    monkeypatch.syspath_prepend(str(tmp_path / "site2"))
+    copy = ShippedModel("fake_shipped_model_copy", "model.zip", "Fake-Model", "fake-model==1")
+    assert unpack_shipped(copy, tmp_path / "cache") == first
+    with zipfile.ZipFile(other / "model.zip", "a") as zf:  # an upgraded package: new content
+        zf.writestr("README.md", "v2")
+    assert unpack_shipped(copy, tmp_path / "cache") != first
+
+
 def test_a_missing_package_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(embedding_model.SHIPPED, "absent",
                         ShippedModel("no_such_package_here", "model.zip", "Absent", "absent==2"))
