@@ -192,6 +192,22 @@ inline void weights_of(const Weights& w, int64_t o, int64_t b, const Scales& s, 
   }
 }
 
+// f(b, wv) for each block b of output row o, rebuilt as floats (wv), in order; the constants
+// converted kScales blocks at a time.
+template <Kind K, typename F>
+inline void for_each_block(const Weights& w, int64_t o, F&& f) {
+  for (int64_t b0 = 0; b0 < w.blocks; b0 += kScales) {
+    const int n = static_cast<int>(std::min<int64_t>(kScales, w.blocks - b0));
+    Scales s;
+    scales_of<K>(w, o, b0, n, s);
+    for (int i = 0; i < n; ++i) {
+      Vecs<kPer> wv;
+      weights_of<K>(w, o, b0 + i, s, i, wv);
+      f(b0 + i, wv);
+    }
+  }
+}
+
 // y[r, o] for R input rows and output rows [begin, end): each block's weights are rebuilt once
 // and serve all R rows. Each row's sums are split so that a step has enough independent sums to
 // keep the multiply-add units busy: one or two rows get a partial sum per vector of the block,
@@ -222,20 +238,13 @@ void rows(const Weights& w, const float* x, int64_t ldx, float* y, int64_t ldy,
     fetch_ahead<K>(w, o, limit);
     Vecs<R * A> acc;
     for (int i = 0; i < R * A; ++i) acc[i] = Vec(0.f);
-    for (int64_t b0 = 0; b0 < w.blocks; b0 += kScales) {
-      const int n = static_cast<int>(std::min<int64_t>(kScales, w.blocks - b0));
-      Scales s;
-      scales_of<K>(w, o, b0, n, s);
-      for (int i = 0; i < n; ++i) {
-        Vecs<kPer> wv;
-        weights_of<K>(w, o, b0 + i, s, i, wv);
-        const float* xb = x + (b0 + i) * kBlock;
-        for (int r = 0; r < R; ++r)
-          for (int k = 0; k < kPer; ++k)
-            acc[r * A + k % A] = at::vec::fmadd(wv[k], Vec::loadu(xb + r * ldx + k * kLanes),
-                                                acc[r * A + k % A]);
-      }
-    }
+    for_each_block<K>(w, o, [&](int64_t b, Vecs<kPer>& wv) {
+      const float* xb = x + b * kBlock;
+      for (int r = 0; r < R; ++r)
+        for (int k = 0; k < kPer; ++k)
+          acc[r * A + k % A] = at::vec::fmadd(wv[k], Vec::loadu(xb + r * ldx + k * kLanes),
+                                              acc[r * A + k % A]);
+    });
     for (int r = 0; r < R; ++r) {
       Vec s = acc[r * A];
       for (int a = 1; a < A; ++a) s = s + acc[r * A + a];
@@ -274,16 +283,9 @@ void rebuild(const Weights& w, int64_t o, int n, int64_t end, float* tile) {
   for (int i = 0; i < n; ++i) {
     float* out = tile + i * w.blocks * kBlock;
     fetch_ahead<K>(w, o + i, end);
-    for (int64_t b0 = 0; b0 < w.blocks; b0 += kScales) {
-      const int nb = static_cast<int>(std::min<int64_t>(kScales, w.blocks - b0));
-      Scales s;
-      scales_of<K>(w, o + i, b0, nb, s);
-      for (int j = 0; j < nb; ++j) {
-        Vecs<kPer> wv;
-        weights_of<K>(w, o + i, b0 + j, s, j, wv);
-        for (int k = 0; k < kPer; ++k) wv[k].store(out + (b0 + j) * kBlock + k * kLanes);
-      }
-    }
+    for_each_block<K>(w, o + i, [&](int64_t b, Vecs<kPer>& wv) {
+      for (int k = 0; k < kPer; ++k) wv[k].store(out + b * kBlock + k * kLanes);
+    });
   }
 }
 
