@@ -66,11 +66,13 @@ ISA_ENV = "SEQGATE_KERNEL_ISA"
 
 # What each instruction set needs of the CPU, and its flags: ATen's vector headers pick their
 # implementation by the CPU_CAPABILITY_* macro, and the -m flags (PyTorch's own for these
-# builds) let the compiler emit its instructions. On ARM, NEON is ATen's default.
+# builds, plus F16C on AVX512 too: the block kernels convert fp16 scales eight at a time with
+# it, and GCC's -mavx512f does not imply it) let the compiler emit its instructions. On ARM,
+# NEON is ATen's default.
 _ISAS = {
-    "avx512": ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"},
+    "avx512": ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"},
                ("-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
-                "-mavx512dq", "-mfma")),
+                "-mavx512dq", "-mfma", "-mf16c")),
     "avx2": ({"avx2", "fma", "f16c"}, ("-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c")),
     "neon": ({"asimd"}, ()),
 }
