@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 from pathlib import Path
@@ -88,6 +89,27 @@ def test_the_build_is_for_the_best_instruction_set_the_cpu_has(monkeypatch):
     monkeypatch.setenv(native.ISA_ENV, "avx2")  # the AVX2 build on an AVX512 CPU
     assert native.instruction_set() == "avx2" and native.build_key() != avx512
 
+
+def test_the_avx512_sources_compile_on_an_avx2_host(tmp_path):
+    """An AVX2 host builds only the AVX2 library (an AVX512 host builds both: the widened int8
+    product's test builds the AVX2 one), so a source that compiles for AVX2 but not with the
+    AVX512 flags (an AVX2 intrinsic needing a flag -mavx512f does not imply) went unnoticed until
+    an AVX512 host ran without kernels. Compiled, not run, at -O0: where an intrinsic lacks its
+    target flag GCC refuses to inline it at any level."""
+    if shutil.which("c++") is None or native.instruction_set() != "avx2":
+        pytest.skip("needs a C++ compiler on a host whose own build is the AVX2 one")
+    from torch.utils import cpp_extension
+
+    includes = [f"-I{p}" for p in (*cpp_extension.include_paths(),
+                                   sysconfig.get_paths()["include"])]
+    flags = [f for f in native._flags("avx512") if f != "-O3"]
+    commands = [["c++", "-std=c++20", "-O0", "-fPIC", *flags, *includes,
+                 "-DTORCH_EXTENSION_NAME=compile_check", "-c", str(source),
+                 "-o", str(tmp_path / f"{source.stem}.o")] for source in native.SOURCES]
+    jobs = [subprocess.Popen(c, stderr=subprocess.PIPE, text=True) for c in commands]
+    failed = {source.name: job.communicate()[1] for source, job in zip(native.SOURCES, jobs)
+              if job.wait() != 0}
+    assert not failed, {name: native._failure(RuntimeError(err)) for name, err in failed.items()}
 
 def test_an_instruction_set_the_cpu_lacks_leaves_attention_to_sdpa(tmp_path, monkeypatch,
                                                                      caplog):
