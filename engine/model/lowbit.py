@@ -16,12 +16,12 @@ A layer gets blocks in one of two ways:
   product implementations.
   A model published in bf16 or fp16 and loaded in fp32 holds weights that are such values:
   they are kept in those 16 bits (half fp32's bytes) and widened exactly in the kernel.
-- by rounding (`quantize=int4` or `int8` on an fp32 model): the layers' weights are rounded to
-  Q4_1 (the output head to Q8_0, as llama.cpp's files keep it) or to Q8_0. Larger forwards
-  multiply the rounded weights in fp32; the kernel also rounds each row to 8 bits per block of
-  32 columns and sums the products in integers (csrc/q8_rows.cpp), as llama.cpp does for these
-  formats: about half the instructions per weight of rebuilding it in fp32, an approximation
-  judged, as the rounding of the weights is, by the next-token distance from fp32
+- by rounding (`quantize=int4` or `int8`, fp32 or bf16 models): the layers' weights are rounded
+  to Q4_1 (the output head to Q8_0, as llama.cpp's files keep it) or to Q8_0. Larger forwards
+  multiply the rounded weights in the model's dtype; the kernel also rounds each row to 8 bits
+  per block of 32 columns and sums the products in integers (csrc/q8_rows.cpp), as llama.cpp
+  does for these formats: about half the instructions per weight of rebuilding it in fp32, an
+  approximation judged, as the rounding of the weights is, by the next-token distance from fp32
   (bench/studies/quality.py).
 
 Which forwards go to the kernel is measured on the host (`choose_max_rows`): the kernel reads
@@ -162,10 +162,10 @@ class LowbitReport:
 
 def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
             code_key: str = "", threads: int | None = None) -> LowbitReport:
-    """Give the fp32 CPU linear layers of `model` blocks (in place): exact ones where
+    """Give the fp32 or bf16 CPU linear layers of `model` blocks (in place): exact ones where
     `quantize` is none, rounded ones for int4 (layers Q4_1, the output head Q8_0) and int8
-    (all Q8_0). bf16 layers get blocks where `quantize` is none and their values are blocks'
-    rounded to bf16 (`blocks_of_bf16`), and a copy packed for oneDNN for larger forwards.
+    (all Q8_0). bf16 layers get exact blocks where their values are blocks' rounded to bf16
+    (`blocks_of_bf16`), and a copy packed for oneDNN for larger forwards.
     Layers with hooks, or whose shape or values do not fit, stay as they are.
     The row limit is timed with `threads` torch threads (the engine thread's; None: this
     thread's)."""
@@ -179,20 +179,21 @@ def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
                 continue
             if type(child) is not torch.nn.Linear:
                 continue
-            bf16 = child.weight.dtype == torch.bfloat16 and quantize == "none"
+            bf16 = child.weight.dtype == torch.bfloat16
             if (not (child.weight.dtype == torch.float32 or bf16)
                     or child.weight.device.type != "cpu"
                     or child._forward_hooks or child._forward_pre_hooks):
                 continue
-            if bf16:
-                blocks, weight = blocks_of_bf16(child.weight), None
-            elif quantize == "none":
-                blocks, weight = exact_blocks(child.weight), None
+            if quantize == "none":
+                blocks = blocks_of_bf16(child.weight) if bf16 else exact_blocks(child.weight)
+                weight = None
             else:
                 kind = "q4" if quantize == "int4" and child is not head else "q8"
-                blocks = rounded_blocks(child.weight, kind)
+                blocks = rounded_blocks(child.weight.float(), kind)
+                # A bf16 model's larger forwards multiply the rounded weights in bf16, as its
+                # default path multiplies its own.
                 weight = None if blocks is None else torch.nn.Parameter(
-                    blocks.dense(), requires_grad=False)
+                    blocks.dense().to(child.weight.dtype), requires_grad=False)
                 # Q4_1 in tiles for the 8-bit rows' kernel; a layer whose rows do not make
                 # whole tiles keeps the exact kernel on its rounded weights.
                 tiles = blocks is not None and kind == "q4" and tile_q4(blocks)

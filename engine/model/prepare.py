@@ -47,8 +47,8 @@ def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
     dtype = model.get_output_embeddings().weight.dtype
     fp32 = dtype == torch.float32
     # bf16 layers whose values are a GGUF's blocks get them back for forwards of few rows
-    # (w8a8's rows below its int8 range too).
-    blockable = fp32 or (dtype == torch.bfloat16 and config.quantize in ("none", "w8a8"))
+    # (w8a8's rows below its int8 range too); int4 and int8 round fp32 and bf16 layers alike.
+    blockable = fp32 or dtype == torch.bfloat16
     ops = None
     if cpu and single and ((blockable and config.linear_kernel == "auto")
                            or config.decode_attention == "auto" or config.quantize == "w8a8"):
