@@ -18,8 +18,11 @@ whether the two argmaxes agree, and the variant's negative log-likelihood of the
               what `--quantize int4` / `int8` compute in forwards of few rows (decode steps
               and drafts; prompt chunks past the kernel's row limit multiply as int4 / int8
               above);
-  torch-int4  `--quantize int4` on a bf16 model's path, computed in fp32: PyTorch's int4 format
-              (engine/model/quantize.py), layers int4 with groups of 32, head int8 per row.
+  bf16-int4-q8
+              int4-q8 on the bf16 model (`--quantize int4` where the CPU has bf16 in
+              hardware): the rows rounded from bf16, the results rounded to bf16;
+  torch-int4  PyTorch's int4 format, computed in fp32 (engine/model/quantize.py: layers that
+              do not fit the blocks), layers int4 with groups of 32, head int8 per row.
   w8a8        `--quantize w8a8`: the decoder's layers in int8 weights (per channel) times int8
               activations (per token) on every forward (the engine uses it only from a row
               count measured on the host); the head exact (engine/model/w8a8.py). FBGEMM's
@@ -53,8 +56,8 @@ from engine.model.blocks import rounded_blocks
 from engine.model.loader import default_cache_dir
 from engine.model.quantize import quantize_model
 
-VARIANTS = ("bf16", "int4", "int8", "int4-q8", "int8-q8", "torch-int4", "w8a8", "w8a8-native",
-            "bf16-w8a8", "exact")
+VARIANTS = ("bf16", "int4", "int8", "int4-q8", "int8-q8", "bf16-int4-q8", "torch-int4", "w8a8",
+            "w8a8-native", "bf16-w8a8", "exact")
 
 
 def _rounded(model: torch.nn.Module, layers: str) -> torch.nn.Module:
@@ -77,12 +80,17 @@ def variant(model: torch.nn.Module, name: str) -> torch.nn.Module:
         return copy.deepcopy(model).to(torch.bfloat16)
     if name in ("int4", "int8"):
         return _rounded(model, name)
-    if name in ("int4-q8", "int8-q8", "exact"):
+    if name in ("int4-q8", "int8-q8", "bf16-int4-q8", "exact"):
+        # bf16-int4-q8: int4 as the engine runs it on a bf16 model (the default dtype where
+        # the CPU has bf16 in hardware).
         out = copy.deepcopy(model)
+        if name.startswith("bf16-"):
+            out = out.to(torch.bfloat16)
         ops = native.kernels(default_cache_dir())
         if ops is None:
             raise RuntimeError(f"{name}: the native kernels do not build here")
-        lowbit.install(out, ops, "none" if name == "exact" else name.removesuffix("-q8"), None)
+        quantize = "none" if name == "exact" else name.removeprefix("bf16-").removesuffix("-q8")
+        lowbit.install(out, ops, quantize, None)
         for layer in out.modules():
             if isinstance(layer, lowbit.BlockLinear):
                 assert layer.int8_rows == (name != "exact")
