@@ -344,6 +344,7 @@ def render(data: dict, doc: Path) -> str:
         "token) / (tokens − 1) per request; throughput is over the run's wall time.", "",
     ]
     head += _contention(data)
+    head += _kernels(data)
     skipped = meta["args"].get("skip") or []
     if skipped:
         head += [f"- Sweep cells left out with --skip: {', '.join(skipped)}.", ""]
@@ -428,6 +429,38 @@ def _contention(data: dict) -> list[str]:
                  "absolute numbers or ratios.**")
     speed = _speed(runs)
     return [line, *([speed] if speed else []), ""]
+
+
+def _kernels(data: dict) -> list[str]:
+    """A line on the native kernels each seqgate server ran with (its `/version`), loud where
+    one ran on the CPU without any: a library that failed to build falls back to PyTorch
+    silently but for a log line, and its figures then measure that fallback."""
+    seen: dict[str, dict] = {}
+    for key in ("sweep", "cache", "splitting", "speculative"):
+        for run in data.get(key) or []:
+            info = run.get("server_info") or {}
+            kernels = (info.get("engine") or {}).get("kernels")
+            if run.get("server", "").startswith("seqgate") and kernels is not None:
+                seen.setdefault(run["server"], {**kernels, "device": info.get("device")})
+    if not seen:
+        return []
+    parts, bare = [], []
+    for server, k in seen.items():
+        linear = k.get("linear") or {}
+        native = k.get("native_layers") or {}
+        parts.append(f"{server}: decode attention in {k.get('decode_attention_layers', 0)} "
+                     f"layers, linear blocks {linear.get('mode', 'off')} up to "
+                     f"{linear.get('max_rows', 0)} rows, native layers up to "
+                     f"{native.get('max_rows', 0)} rows")
+        if (k.get("device") == "cpu" and not k.get("decode_attention_layers")
+                and linear.get("mode", "off") == "off" and not k.get("w8a8")):
+            bare.append(server)
+    line = "- Native kernels (`/version`): " + "; ".join(parts) + "."
+    if bare:
+        line += (f" **{', '.join(bare)} ran without any native kernel** (the library did not "
+                 "build, or `--decode-attention sdpa --linear-kernel torch`): its figures "
+                 "measure PyTorch's fallback.")
+    return [line, ""]
 
 
 def _speed(runs: list[dict]) -> str | None:

@@ -188,3 +188,27 @@ def test_a_capped_run_says_so_on_the_machine_line_and_beside_the_speculative_fig
     assert "CPU ISA: avx2 avx512f avx512_bf16, capped to avx2." in text
     del data["meta"]["isa_cap"]
     assert "capped to" not in write_report(data, tmp_path / "plain.md").read_text()
+
+
+def test_the_native_kernels_each_seqgate_server_ran_with_are_reported(tmp_path):
+    """From the results' `/version`: one line naming each seqgate server's kernels, loud where a
+    CPU server ran with none (an AVX512 host whose library failed to build did, unnoticed)."""
+    from bench.report import write_report
+
+    def info(attention: int, mode: str) -> dict:
+        return {"dtype": "bfloat16", "device": "cpu", "engine": {"kernels": {
+            "decode_attention_layers": attention, "w8a8": None, "native_layers": None,
+            "linear": {"mode": mode, "max_rows": 4 if mode != "off" else 0}}}}
+
+    sweep = [_run("seqgate", 1, 0, 1.0, server_info=info(30, "exact")),
+             _run("seqgate-int4", 1, 0, 1.0, server_info=info(30, "int4")),
+             _run("llama.cpp", 1, 0, 1.0)]
+    data = {"meta": _meta(sweep=60.0), "sweep": sweep, "agreement": {}, "cache": [],
+            "splitting": [], "failures": []}
+    text = write_report(data, tmp_path / "benchmarks.md").read_text()
+    assert ("seqgate: decode attention in 30 layers, linear blocks exact up to 4 rows" in text
+            and "seqgate-int4: decode attention in 30 layers, linear blocks int4" in text)
+    assert "without any native kernel" not in text
+    sweep[0]["server_info"] = info(0, "off")
+    text = write_report(data, tmp_path / "bare.md").read_text()
+    assert "**seqgate ran without any native kernel**" in text
