@@ -387,21 +387,23 @@ def test_a_bf16_engine_multiplies_few_rows_through_the_blocks(smollm2, make_engi
 
 
 @needs_kernel
-def test_int4_on_a_bf16_model_rounds_into_blocks_too(smollm2, make_engine, monkeypatch):
-    """`quantize=int4` on a bf16 model (the default dtype where the CPU has bf16) takes the
-    8-bit rows kernel for few rows and the rounded weights in bf16 (oneDNN's product where it
-    packs them) for many, as on an fp32 model; before, it fell to PyTorch's int4 products and
-    ran slower than the bf16 default on AVX512-BF16."""
+@pytest.mark.parametrize("quantize,kinds", [("int4", {"q4x8", "q8"}), ("int8", {"q8"})])
+def test_int4_and_int8_on_a_bf16_model_round_into_blocks_too(smollm2, make_engine, monkeypatch,
+                                                              quantize, kinds):
+    """`quantize=int4` (and int8) on a bf16 model (the default dtype where the CPU has bf16)
+    takes the 8-bit rows kernel for few rows and the rounded weights in bf16 (oneDNN's product
+    where it packs them) for many, as on an fp32 model; before, it fell to PyTorch's int4
+    products and ran slower than the bf16 default on AVX512-BF16."""
     loaded = _fresh(smollm2)
     loaded = LoadedModel(loaded.model.to(torch.bfloat16), loaded.tokenizer, loaded.name,
                          loaded.source, loaded.device, torch.bfloat16, 0.0, False)
     monkeypatch.setattr(lowbit, "_max_rows", lambda layers, cache, key: (8, None))
-    eng = make_engine(loaded, quantize="int4", prompt_cache_bytes=0, num_speculative_tokens=0)
-    assert (eng.linear_blocks.mode, eng.linear_blocks.int8_rows) == ("int4", True)
+    eng = make_engine(loaded, quantize=quantize, prompt_cache_bytes=0, num_speculative_tokens=0)
+    assert (eng.linear_blocks.mode, eng.linear_blocks.int8_rows) == (quantize, True)
     model = loaded.model
     layers = [m for m in model.modules() if isinstance(m, BlockLinear)]
     assert layers and all(m.rounded and m.int8_rows for m in layers)
-    assert {m.kind for m in layers} == {"q4x8", "q8"}
+    assert {m.kind for m in layers} == kinds
     assert all(m.weight.dtype == torch.bfloat16 for m in layers)
     stacks = [vars(layer)["_lean_stacked"] for layer in model.model.layers]
     stacked = [*(s.qkv for s in stacks), *(s.gate_up for s in stacks)]
