@@ -15,6 +15,10 @@ int4 quantises the decoder's linear layers and keeps the output head in int8: th
 each hidden state into 49k logits, and the embedded GGUF itself stores it in 8 bits (Q8_0)
 while its layers are 4-bit (Q4_1, groups of 32, which int4 with groups of 32 represents
 closely). The kernels are CPU ones: on a GPU the option is ignored (with a warning).
+
+The engine takes this path only where the blocks of engine/model/lowbit.py are not used (no
+native library, `--linear-kernel torch`, or no layer fits them): those serve int4 and int8 on
+fp32 and bf16 models faster.
 """
 
 from __future__ import annotations
