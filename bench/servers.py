@@ -93,7 +93,7 @@ class ServerSpec:
 
 
 SEQGATE = ServerSpec("seqgate", "seqgate")
-# Weight-only int4 (engine/model/quantize.py): the row that compares with llama.cpp's Q4_1 weights.
+# Weight-only int4 (engine/model/lowbit.py's blocks): the row that compares with llama.cpp's Q4_1.
 SEQGATE_INT4 = ServerSpec("seqgate-int4", "seqgate", ("--quantize", "int4"))
 # int8 weights and activations for forwards of many rows (engine/model/w8a8.py), the host's
 # default dtype elsewhere: bf16 where the CPU has it (the int8 product then needs VNNI or AMX),

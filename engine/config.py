@@ -101,9 +101,9 @@ class EngineConfig:
     # A smaller model sharing the tokenizer (directory, hub id or GGUF file) whose greedy
     # continuation is the draft instead of prompt lookup (engine/sample/draft_model.py).
     speculative_model: str | None = None
-    # Quantisation on the CPU: none | int8 | int4 weights (fp32 models: engine/model/lowbit.py,
-    # whose kernel also rounds few rows to 8 bits as llama.cpp does; bf16 ones:
-    # engine/model/quantize.py, weight-only) | w8a8, int8 weights and
+    # Quantisation on the CPU: none | int8 | int4 weights (fp32 and bf16 models:
+    # engine/model/lowbit.py, whose kernel also rounds few rows to 8 bits as llama.cpp does;
+    # engine/model/quantize.py where its blocks are not used) | w8a8, int8 weights and
     # activations for forwards of many rows (engine/model/w8a8.py: bf16 or fp32 models where
     # the native library builds, fp32 ones through FBGEMM where it does not).
     quantize: str = "none"

@@ -21,8 +21,8 @@ whether the two argmaxes agree, and the variant's negative log-likelihood of the
   bf16-int4-q8
               int4-q8 on the bf16 model (`--quantize int4` where the CPU has bf16 in
               hardware): the rows rounded from bf16, the results rounded to bf16;
-  torch-int4  PyTorch's int4 format, computed in fp32 (engine/model/quantize.py: layers that
-              do not fit the blocks), layers int4 with groups of 32, head int8 per row.
+  torch-int4  PyTorch's int4 format, computed in fp32 (engine/model/quantize.py: where the
+              blocks are not used), layers int4 with groups of 32, head int8 per row.
   w8a8        `--quantize w8a8`: the decoder's layers in int8 weights (per channel) times int8
               activations (per token) on every forward (the engine uses it only from a row
               count measured on the host); the head exact (engine/model/w8a8.py). FBGEMM's

@@ -25,9 +25,9 @@ A layer gets blocks in one of two ways:
   (bench/studies/quality.py).
 
 Which forwards go to the kernel is measured on the host (`choose_max_rows`): the kernel reads
-fewer bytes but does more work per weight than a BLAS product, so past some row count PyTorch's
-fp32 product on the de-quantised weights is faster. The choice is cached per machine, kernel
-build, model shape and thread count.
+fewer bytes but does more work per weight than a BLAS product, so past some row count the dense
+product on the de-quantised weights (PyTorch's fp32 one, oneDNN's bf16 one) is faster. The
+choice is cached per machine, kernel build, model shape and thread count.
 """
 
 from __future__ import annotations
@@ -270,7 +270,7 @@ def choose_max_rows(layers: list[BlockLinear], rows: tuple[int, ...] = CANDIDATE
 
 @contextmanager
 def dense_products(model: torch.nn.Module) -> Iterator[int]:
-    """Within the block every BlockLinear multiplies through `F.linear` on its fp32 weights
+    """Within the block every BlockLinear multiplies through its dense product (fp32 or bf16)
     (tests compare the engine against transformers on the model's own products); yields how
     many layers were switched."""
     saved = {m: m.max_rows for m in model.modules() if isinstance(m, BlockLinear)}

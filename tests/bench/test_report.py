@@ -211,4 +211,6 @@ def test_the_native_kernels_each_seqgate_server_ran_with_are_reported(tmp_path):
     assert "without any native kernel" not in text
     sweep[0]["server_info"] = info(0, "off")
     text = write_report(data, tmp_path / "bare.md").read_text()
-    assert "**seqgate ran without any native kernel**" in text
+    assert "**seqgate ran without any native kernel**" in text  # and seqgate-int4 did not
+    sweep[0]["server_info"] = {**info(0, "off"), "device": "cuda"}  # a GPU has none to run
+    assert "without any native kernel" not in write_report(data, tmp_path / "gpu.md").read_text()

@@ -6,6 +6,7 @@ through it only where it applies."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -103,13 +104,16 @@ def test_the_avx512_sources_compile_on_an_avx2_host(tmp_path):
     includes = [f"-I{p}" for p in (*cpp_extension.include_paths(),
                                    sysconfig.get_paths()["include"])]
     flags = [f for f in native._flags("avx512") if f != "-O3"]
-    commands = [["c++", "-std=c++20", "-O0", "-fPIC", *flags, *includes,
+    commands = [[os.environ.get("CXX", "c++"), "-std=c++20", "-O0", "-fPIC", *flags, *includes,
                  "-DTORCH_EXTENSION_NAME=compile_check", "-c", str(source),
                  "-o", str(tmp_path / f"{source.stem}.o")] for source in native.SOURCES]
     jobs = [subprocess.Popen(c, stderr=subprocess.PIPE, text=True) for c in commands]
-    failed = {source.name: job.communicate()[1] for source, job in zip(native.SOURCES, jobs)
-              if job.wait() != 0}
-    assert not failed, {name: native._failure(RuntimeError(err)) for name, err in failed.items()}
+    # Each job's messages are read to the end before its exit code (a full pipe would block).
+    errors = [job.communicate()[1] for job in jobs]
+    failed = {source.name: native._failure(RuntimeError(err))
+              for source, job, err in zip(native.SOURCES, jobs, errors) if job.returncode}
+    assert not failed, failed
+
 
 def test_an_instruction_set_the_cpu_lacks_leaves_attention_to_sdpa(tmp_path, monkeypatch,
                                                                      caplog):
