@@ -431,6 +431,13 @@ def _contention(data: dict) -> list[str]:
     return [line, *([speed] if speed else []), ""]
 
 
+def without_native_kernels(kernels: dict, device: str | None) -> bool:
+    """Whether a seqgate server's `/version` kernels say it ran on the CPU with none."""
+    return (device == "cpu" and not kernels.get("decode_attention_layers")
+            and (kernels.get("linear") or {}).get("mode", "off") == "off"
+            and not kernels.get("w8a8"))
+
+
 def _kernels(data: dict) -> list[str]:
     """A line on the native kernels each seqgate server ran with (its `/version`), loud where
     one ran on the CPU without any: a library that failed to build falls back to PyTorch
@@ -452,8 +459,7 @@ def _kernels(data: dict) -> list[str]:
                      f"layers, linear blocks {linear.get('mode', 'off')} up to "
                      f"{linear.get('max_rows', 0)} rows, native layers up to "
                      f"{native.get('max_rows', 0)} rows")
-        if (k.get("device") == "cpu" and not k.get("decode_attention_layers")
-                and linear.get("mode", "off") == "off" and not k.get("w8a8")):
+        if without_native_kernels(k, k.get("device")):
             bare.append(server)
     line = "- Native kernels (`/version`): " + "; ".join(parts) + "."
     if bare:

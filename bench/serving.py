@@ -52,7 +52,7 @@ from bench.agreement import compare
 from bench.figures import RequestResult, summarize
 from bench.harness import DOCS_DIR, RESULTS_DIR
 from bench.loadgen import run_closed_loop
-from bench.report import write_report
+from bench.report import without_native_kernels, write_report
 from bench.scrape import engine_activity, scrape
 from bench.servers import (
     SEQGATE,
@@ -222,6 +222,11 @@ class Bench:
                           results, wall, (peak, idle_rss, sampler.peak), cpu, start_s,
                           engine=engine_activity(before, after) if before is not None else None,
                           server_info=info, machine_speed=speed)
+        kernels = ((info or {}).get("engine") or {}).get("kernels")
+        if kernels is not None and without_native_kernels(kernels, info.get("device")):
+            print(f"  WARNING: {spec.label} runs without any native kernel (see its log: the "
+                  "library did not build?), so its figures measure PyTorch's fallback",
+                  flush=True)
         f = run["figures"]
         print(f"  {spec.label:<44} c={concurrency:<3} {f['completed']}/{f['requests']} ok, "
               f"{f['output_tokens_per_s']:7.2f} tok/s, TTFT p50 {_s(f['ttft_p50'])}, "
