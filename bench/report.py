@@ -431,9 +431,17 @@ def _contention(data: dict) -> list[str]:
     return [line, *([speed] if speed else []), ""]
 
 
-def without_native_kernels(kernels: dict, device: str | None) -> bool:
-    """Whether a seqgate server's `/version` kernels say it ran on the CPU with none."""
-    return (device == "cpu" and not kernels.get("decode_attention_layers")
+def _kernels_of(info: dict | None) -> dict | None:
+    """The kernels a seqgate server's `/version` names; None where it names none (a peer, or
+    results from before `/version` listed them)."""
+    return ((info or {}).get("engine") or {}).get("kernels")
+
+
+def without_native_kernels(info: dict | None) -> bool:
+    """Whether a seqgate server's `/version` says it ran on the CPU with no native kernel."""
+    kernels = _kernels_of(info)
+    return (kernels is not None and info.get("device") == "cpu"
+            and not kernels.get("decode_attention_layers")
             and (kernels.get("linear") or {}).get("mode", "off") == "off"
             and not kernels.get("w8a8"))
 
@@ -442,24 +450,23 @@ def _kernels(data: dict) -> list[str]:
     """A line on the native kernels each seqgate server ran with (its `/version`), loud where
     one ran on the CPU without any: a library that failed to build falls back to PyTorch
     silently but for a log line, and its figures then measure that fallback."""
-    seen: dict[str, dict] = {}
+    seen: dict[str, dict] = {}  # server -> its `/version`
     for key in ("sweep", "cache", "splitting", "speculative"):
         for run in data.get(key) or []:
-            info = run.get("server_info") or {}
-            kernels = (info.get("engine") or {}).get("kernels")
-            if run.get("server", "").startswith("seqgate") and kernels is not None:
-                seen.setdefault(run["server"], {**kernels, "device": info.get("device")})
+            if run.get("server", "").startswith("seqgate") and _kernels_of(run.get("server_info")):
+                seen.setdefault(run["server"], run["server_info"])
     if not seen:
         return []
     parts, bare = [], []
-    for server, k in seen.items():
+    for server, info in seen.items():
+        k = _kernels_of(info)
         linear = k.get("linear") or {}
         native = k.get("native_layers") or {}
         parts.append(f"{server}: decode attention in {k.get('decode_attention_layers', 0)} "
                      f"layers, linear blocks {linear.get('mode', 'off')} up to "
                      f"{linear.get('max_rows', 0)} rows, native layers up to "
                      f"{native.get('max_rows', 0)} rows")
-        if without_native_kernels(k, k.get("device")):
+        if without_native_kernels(info):
             bare.append(server)
     line = "- Native kernels (`/version`): " + "; ".join(parts) + "."
     if bare:

@@ -222,8 +222,7 @@ class Bench:
                           results, wall, (peak, idle_rss, sampler.peak), cpu, start_s,
                           engine=engine_activity(before, after) if before is not None else None,
                           server_info=info, machine_speed=speed)
-        kernels = ((info or {}).get("engine") or {}).get("kernels")
-        if kernels is not None and without_native_kernels(kernels, info.get("device")):
+        if without_native_kernels(info):
             print(f"  WARNING: {spec.label} runs without any native kernel (see its log: the "
                   "library did not build?), so its figures measure PyTorch's fallback",
                   flush=True)

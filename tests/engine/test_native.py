@@ -97,14 +97,15 @@ def test_the_avx512_sources_compile_on_an_avx2_host(tmp_path):
     AVX512 flags (an AVX2 intrinsic needing a flag -mavx512f does not imply) went unnoticed until
     an AVX512 host ran without kernels. Compiled, not run, at -O0: where an intrinsic lacks its
     target flag GCC refuses to inline it at any level."""
-    if shutil.which("c++") is None or native.instruction_set() != "avx2":
+    cxx = os.environ.get("CXX", "c++")  # the compiler torch's builder runs
+    if shutil.which(cxx) is None or native.instruction_set() != "avx2":
         pytest.skip("needs a C++ compiler on a host whose own build is the AVX2 one")
     from torch.utils import cpp_extension
 
     includes = [f"-I{p}" for p in (*cpp_extension.include_paths(),
                                    sysconfig.get_paths()["include"])]
     flags = [f for f in native._flags("avx512") if f != "-O3"]
-    commands = [[os.environ.get("CXX", "c++"), "-std=c++20", "-O0", "-fPIC", *flags, *includes,
+    commands = [[cxx, "-std=c++20", "-O0", "-fPIC", *flags, *includes,
                  "-DTORCH_EXTENSION_NAME=compile_check", "-c", str(source),
                  "-o", str(tmp_path / f"{source.stem}.o")] for source in native.SOURCES]
     jobs = [subprocess.Popen(c, stderr=subprocess.PIPE, text=True) for c in commands]
