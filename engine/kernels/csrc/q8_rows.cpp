@@ -138,54 +138,58 @@ struct Tiles {
   int64_t blocks;
 };
 
-// y[r, 8t .. 8t + 8) for R rows and tiles [begin, end). A row's output k of a tile sums, block
-// by block, dot * (d * dx) in one fp32 sum and m * sx in another, added at the end: the same
-// order whatever R is.
-template <int R>
-void tiles(const Tiles& w, const RowsView& x, float* y, int64_t ldy, int64_t begin,
+// y[r, 8t .. 8t + 8) for n rows (at most kTileRowGroup) and tiles [begin, end). Per tile and
+// block the weights are unpacked once, into 8 registers, and every row is multiplied by them:
+// a row's output k of a tile sums, block by block, dot * (d * dx) in one fp32 sum (kept in
+// `acc` between blocks) and m * sx in another, added at the end: the same order whatever n is.
+constexpr int kTileRowGroup = 64;
+
+void tiles(const Tiles& w, const RowsView& x, int n, float* y, int64_t ldy, int64_t begin,
            int64_t end) {
   for (int64_t t = begin; t < end; ++t) {
     const uint8_t* wq = w.q + t * w.blocks * (kBlock / 2) * kTileRows;
     const at::Half* wd = w.d + t * w.blocks * kTileRows;
     const at::Half* wm = w.m + t * w.blocks * kTileRows;
 #if defined(SEQGATE_Q8_ROWS_AVX2)
+    alignas(32) float acc[kTileRowGroup * kTileRows];
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    __m256 acc[R], mins[R];
-    for (int r = 0; r < R; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
+    for (int r = 0; r < n; ++r) _mm256_store_ps(acc + r * kTileRows, _mm256_setzero_ps());
     for (int64_t b = 0; b < w.blocks; ++b) {
       const uint8_t* p = wq + b * (kBlock / 2) * kTileRows;
-      __m256i sums[R];
+      __m256i lo[4], hi[4];
       for (int h = 0; h < 4; ++h) {
         const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
-        const __m256i lo = _mm256_and_si256(packed, low4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* row = x.q + r * x.in + b * kBlock;
-          const __m256i both =
-              _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(row + 4 * h)),
-                               _mm256_maddubs_epi16(hi, broadcast4(row + 16 + 4 * h)));
-          sums[r] = h == 0 ? both : _mm256_add_epi16(sums[r], both);
-        }
+        lo[h] = _mm256_and_si256(packed, low4);
+        hi[h] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
       }
       const __m256 d = _mm256_cvtph_ps(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b * kTileRows)));
-      for (int r = 0; r < R; ++r) {
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));
+      const int8_t* row = x.q + b * kBlock;
+      for (int r = 0; r < n; ++r, row += x.in) {
+        __m256i sums = _mm256_add_epi16(_mm256_maddubs_epi16(lo[0], broadcast4(row)),
+                                        _mm256_maddubs_epi16(hi[0], broadcast4(row + 16)));
+        for (int h = 1; h < 4; ++h)
+          sums = _mm256_add_epi16(
+              sums, _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], broadcast4(row + 4 * h)),
+                                     _mm256_maddubs_epi16(hi[h], broadcast4(row + 16 + 4 * h))));
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, ones));
         const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x.d[r * x.blocks + b]));
-        acc[r] = _mm256_fmadd_ps(dot, scale, acc[r]);
+        _mm256_store_ps(acc + r * kTileRows,
+                        _mm256_fmadd_ps(dot, scale, _mm256_load_ps(acc + r * kTileRows)));
       }
     }
-    // The mins in a pass of their own: fewer registers held in the pass above.
-    for (int64_t b = 0; b < w.blocks; ++b) {
-      const __m256 m = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + b * kTileRows)));
-      for (int r = 0; r < R; ++r)
-        mins[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[r * x.blocks + b]), mins[r]);
+    // The mins in a pass of their own, a row at a time in one register.
+    for (int r = 0; r < n; ++r) {
+      __m256 mins = _mm256_setzero_ps();
+      for (int64_t b = 0; b < w.blocks; ++b)
+        mins = _mm256_fmadd_ps(
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + b * kTileRows))),
+            _mm256_set1_ps(x.s[r * x.blocks + b]), mins);
+      _mm256_storeu_ps(y + r * ldy + t * kTileRows,
+                       _mm256_add_ps(_mm256_load_ps(acc + r * kTileRows), mins));
     }
-    for (int r = 0; r < R; ++r)
-      _mm256_storeu_ps(y + r * ldy + t * kTileRows, _mm256_add_ps(acc[r], mins[r]));
 #else
-    for (int r = 0; r < R; ++r) {
+    for (int r = 0; r < n; ++r) {
       const int8_t* row = x.q + r * x.in;
       for (int k = 0; k < kTileRows; ++k) {
         float acc = 0.f, mins = 0.f;
@@ -207,16 +211,6 @@ void tiles(const Tiles& w, const RowsView& x, float* y, int64_t ldy, int64_t beg
       }
     }
 #endif
-  }
-}
-
-void tiles_any(int n, const Tiles& w, const RowsView& x, float* y, int64_t ldy, int64_t begin,
-               int64_t end) {
-  switch (n) {
-    case 1: return tiles<1>(w, x, y, ldy, begin, end);
-    case 2: return tiles<2>(w, x, y, ldy, begin, end);
-    case 3: return tiles<3>(w, x, y, ldy, begin, end);
-    default: return tiles<4>(w, x, y, ldy, begin, end);
   }
 }
 
@@ -409,10 +403,9 @@ at::Tensor q4x8_q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Te
   TORCH_CHECK(q.size(0) % kTileRows == 0, "weights: output rows a multiple of 8 (tiles)");
   const Tiles w{q.const_data_ptr<uint8_t>(), d.const_data_ptr<at::Half>(),
                 m.const_data_ptr<at::Half>(), d.size(1)};
-  // 4 rows a pass: the int16 sums, fp32 sums and the weights' vectors fill the 16 registers.
-  return linear(x, q.size(0), q.size(0) / kTileRows, 4, 4,
+  return linear(x, q.size(0), q.size(0) / kTileRows, kTileRowGroup, 4,
                 [&](int n, const RowsView& v, float* y, int64_t ldy, int64_t b, int64_t e) {
-                  tiles_any(n, w, v, y, ldy, b, e);
+                  tiles(w, v, n, y, ldy, b, e);
                 });
 }
 
