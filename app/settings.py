@@ -22,6 +22,7 @@ from engine import ConfigError, EngineConfig
 from engine.config import (
     DECODE_ATTENTION,
     DTYPES,
+    KV_CACHE_DTYPES,
     LINEAR_KERNELS,
     POLICIES,
     QUANTIZE_MODES,
@@ -290,6 +291,10 @@ OPTIONS: tuple[Option, ...] = (
            "quantisation on the CPU: none | int8 | int4 (weight-only) | w8a8 (int8 weights and "
            "activations for forwards of many rows; bf16 or fp32 models with the native "
            "kernels, fp32 through FBGEMM without them)"),
+    Option("kv_cache_dtype", "engine", _choice(*KV_CACHE_DTYPES, aliases=_DTYPE_ALIASES),
+           ("option.kv_cache_dtype",), "--kv-cache-dtype",
+           "the KV cache's dtype: auto (the model's; fp16 for an fp32 model quantised on the "
+           "CPU) | fp32 | fp16 | bf16"),
     Option("linear_kernel", "engine", _choice(*LINEAR_KERNELS), ("option.linear_kernel",),
            "--linear-kernel",
            "fp32 CPU models: auto (seqgate's 4/8-bit block kernels for forwards of few rows, "

@@ -10,6 +10,7 @@ from engine.errors import ConfigError
 STRATEGIES = ("greedy", "sample", "contrastive")
 POLICIES = ("fifo", "priority", "shortest")
 DTYPES = ("auto", "fp32", "fp16", "bf16")
+KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "bf16")
 QUANTIZE_MODES = ("none", "int8", "int4", "w8a8")
 DECODE_ATTENTION = ("auto", "sdpa")
 LINEAR_KERNELS = ("auto", "torch")
@@ -107,6 +108,11 @@ class EngineConfig:
     # activations for forwards of many rows (engine/model/w8a8.py: bf16 or fp32 models where
     # the native library builds, fp32 ones through FBGEMM where it does not).
     quantize: str = "none"
+    # The KV cache's dtype: auto keeps the model's, except that a quantised fp32 model on the
+    # CPU (int4, int8, w8a8: already judged by next-token distance, not exactness) keeps fp16,
+    # halving the bytes each decode step's attention reads (engine.model.loader.kv_cache_dtype);
+    # fp32 | fp16 | bf16 set it.
+    kv_cache_dtype: str = "auto"
     # Linear layers of CPU models: auto multiplies forwards of few rows through seqgate's
     # 4/8-bit block kernels (engine/model/lowbit.py) where the weights are exact blocks (in
     # bf16: blocks rounded to bf16) or `quantize` rounds them; torch keeps PyTorch's products.
@@ -130,6 +136,9 @@ class EngineConfig:
             raise ConfigError("dtype", self.dtype, "one of " + ", ".join(DTYPES))
         if self.quantize not in QUANTIZE_MODES:
             raise ConfigError("quantize", self.quantize, "one of " + ", ".join(QUANTIZE_MODES))
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError("kv_cache_dtype", self.kv_cache_dtype,
+                              "one of " + ", ".join(KV_CACHE_DTYPES))
         if self.decoding_strategy not in STRATEGIES:
             raise ConfigError("decoding_strategy", self.decoding_strategy,
                               "one of " + ", ".join(STRATEGIES))

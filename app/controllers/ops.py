@@ -125,6 +125,7 @@ def _kernels(engine) -> dict | None:
     if blocks is None:
         return None
     return {"decode_attention_layers": engine.decode_kernel_layers,
+            "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
             "linear": {"mode": blocks.mode, "q4_layers": blocks.q4_layers,
                        "q8_layers": blocks.q8_layers, "h16_layers": blocks.h16_layers,
                        "int8_rows": blocks.int8_rows, "max_rows": blocks.max_rows,

@@ -33,6 +33,9 @@ whether the two argmaxes agree, and the variant's negative log-likelihood of the
               products in the library's fused passes, as the engine runs it
               (engine.model.llama_layers); `w8a8-onednn` is its older name;
   bf16-w8a8   that product on the bf16 model (`--quantize w8a8` on an AVX512-BF16 CPU).
+Any of them with `-kv16` appended also attends over keys and values rounded to fp16, as the
+engine's KV cache holds them under `kv_cache_dtype` fp16 (the default for int4, int8 and w8a8
+on an fp32 CPU model).
 The fp32 weights of the embedded model are themselves Q4_1/Q8_0 blocks, so the default fp32
 path (which reads those blocks exactly) is the reference itself. Writes
 bench/results/quality.json.
@@ -45,6 +48,9 @@ import math
 import time
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from bench.harness import markdown_table
 from bench.provenance import cpu_isa
@@ -58,6 +64,22 @@ from engine.model.quantize import quantize_model
 
 VARIANTS = ("bf16", "int4", "int8", "int4-q8", "int8-q8", "bf16-int4-q8", "torch-int4", "w8a8",
             "w8a8-native", "bf16-w8a8", "exact")
+# Any variant with this suffix also keeps its KV in fp16 ("int4-q8-kv16").
+KV16 = "kv16"
+
+
+def _kv16(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` attending over keys and values rounded to fp16, as a KV cache kept in fp16
+    holds them (`kv_cache_dtype`; each token's own too: the cache takes them before the
+    attention reads them)."""
+    def attention(module, query, key, value, *args, **kwargs):
+        return sdpa_attention_forward(module, query, key.half().to(query.dtype),
+                                      value.half().to(query.dtype), *args, **kwargs)
+
+    AttentionInterface.register(KV16, attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(KV16, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model.set_attn_implementation(KV16)
+    return model
 
 
 def _rounded(model: torch.nn.Module, layers: str) -> torch.nn.Module:
@@ -76,6 +98,8 @@ def _rounded(model: torch.nn.Module, layers: str) -> torch.nn.Module:
 
 
 def variant(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    if name.endswith("-kv16"):
+        return _kv16(variant(model, name.removesuffix("-kv16")))
     if name == "bf16":
         return copy.deepcopy(model).to(torch.bfloat16)
     if name in ("int4", "int8"):

@@ -22,7 +22,7 @@ from engine.kv.batch import SubBatch
 from engine.kv.radix_cache import RadixPrefixCache
 from engine.kv.rolling_batch import RollingBatch
 from engine.kv.slabs import rewind
-from engine.model.loader import LoadedModel
+from engine.model.loader import LoadedModel, kv_cache_dtype
 from engine.model.prepare import prepare
 from engine.model.runner import Chunk, ModelRunner
 from engine.outputs import EngineStats, StepStats
@@ -53,7 +53,10 @@ class EngineCore:
         limit = getattr(loaded.model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.eos_ids = loaded.eos_ids()
-        self.runner = ModelRunner(loaded.model, loaded.device, config.tensor_parallel_degree)
+        self.kv_dtype = kv_cache_dtype(config, loaded.model.get_output_embeddings().weight.dtype,
+                                       loaded.device)
+        self.runner = ModelRunner(loaded.model, loaded.device, config.tensor_parallel_degree,
+                                  self.kv_dtype)
         prepared = prepare(loaded, config)
         # Before the KV budget, which is what the device leaves once its weights are loaded too.
         draft_model = DraftModel.load(config, loaded, self.runner.vocab_size)
@@ -67,7 +70,7 @@ class EngineCore:
         # Ranks in lock step cannot each undo a step alone: out of memory fails them all.
         self._lockstep = ranks is not None
         longest = min(max(config.token_budget, ALONE_TOKENS), self.max_model_len)
-        self.kv_budget = kv_budget(config, loaded, self.runner.dtype, ranks, lambda: warm_up(
+        self.kv_budget = kv_budget(config, loaded, self.kv_dtype, ranks, lambda: warm_up(
             self.runner, longest, self.eos_ids[0] if self.eos_ids else 0, loaded.device))
         self.config = config = resolved(config, self.kv_budget, loaded.device)
         # Set up after the KV budget's warm-up: graph memory is taken beside the budget, when

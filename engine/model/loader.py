@@ -145,6 +145,19 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return wanted
 
 
+def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype,
+                   device: torch.device) -> torch.dtype:
+    """The dtype the KV cache is kept in (`kv_cache_dtype`): auto keeps the model's, except for
+    an fp32 model quantised on the CPU, whose KV is kept in fp16 (the decode-attention kernel
+    widens it as it reads; a step's attention reads half the bytes)."""
+    if config.kv_cache_dtype != "auto":
+        return _DTYPES[config.kv_cache_dtype]
+    if (device.type == "cpu" and model_dtype == torch.float32
+            and config.quantize in ("int4", "int8", "w8a8")):
+        return torch.float16
+    return model_dtype
+
+
 def default_cache_dir() -> Path:
     root = os.environ.get("SEQGATE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "seqgate"

@@ -132,10 +132,12 @@ def install(model: torch.nn.Module) -> bool:
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         if not isinstance(key, GroupedKV):
-            return inner(module, query, key, value, attention_mask, **kwargs)
+            return inner(module, query, *_widened(inner, query, key, value), attention_mask,
+                         **kwargs)
         outs = []
         for g, k, v in zip(key.groups, key.keys, key.values):
-            out, _ = inner(module, g.split(query), k, v, g.mask, **kwargs)
+            out, _ = inner(module, g.split(query), *_widened(inner, query, k, v), g.mask,
+                           **kwargs)
             outs.append(g.join(out))
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
@@ -144,6 +146,16 @@ def install(model: torch.nn.Module) -> bool:
     ALL_MASK_ATTENTION_FUNCTIONS.register(FUSED_ATTENTION, mask_fn)
     model.set_attn_implementation(FUSED_ATTENTION)
     return model.config._attn_implementation == FUSED_ATTENTION
+
+
+def _widened(inner, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KV in the query's dtype for attention functions other than `_sdpa`, which widens
+    only where it does not run the decode kernel (a KV cache narrower than the model:
+    engine.model.loader.kv_cache_dtype)."""
+    if inner is _sdpa or key.dtype == query.dtype:
+        return key, value
+    return key.to(query.dtype), value.to(query.dtype)
 
 
 def plain_attention(model: torch.nn.Module) -> bool:
@@ -169,6 +181,16 @@ def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, 
     rows, heads, q_len, dim = query.shape
     plain = not (dropout or kwargs.get("softcap") is not None
                  or kwargs.get("position_bias") is not None)
+    kernel = getattr(module, DECODE_KERNEL_ATTR, None)
+    if kernel is not None and q_len == 1 and plain:
+        # The kernel alone says whether a call fits it (None: it does not), so no check kept
+        # here could disagree with its own. It widens a narrower KV cache as it reads.
+        out = kernel.decode_attention(query, key, value, attention_mask,
+                                      scaling if scaling is not None else dim ** -0.5)
+        if out is not None:
+            return out, None
+    if key.dtype != query.dtype:  # a narrower KV cache (engine.model.loader.kv_cache_dtype)
+        key, value = key.to(query.dtype), value.to(query.dtype)
     if (q_len > 1 and plain and groups > 1 and attention_mask is not None
             and attention_mask.shape[1] == 1 and query.device.type == "cpu"):
         # A prompt chunk with its mask: transformers repeats the KV heads (`repeat_kv`, a copy)
@@ -182,14 +204,6 @@ def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, 
             or (attention_mask is not None and attention_mask.shape[1] != 1)):
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
-    kernel = getattr(module, DECODE_KERNEL_ATTR, None)
-    if kernel is not None:
-        # The kernel alone says whether a call fits it (None: it does not), so no check kept
-        # here could disagree with its own.
-        out = kernel.decode_attention(query, key, value, attention_mask,
-                                      scaling if scaling is not None else dim ** -0.5)
-        if out is not None:
-            return out, None
     if groups <= 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
@@ -199,12 +213,13 @@ def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, 
     return out.reshape(rows, 1, heads, value.shape[-1]), None
 
 
-def use_decode_kernel(model: torch.nn.Module, kernel) -> int:
+def use_decode_kernel(model: torch.nn.Module, kernel, kv_dtype: torch.dtype | None = None
+                      ) -> int:
     """Have `model`'s attention layers run one-query steps through `kernel`
     (engine.kernels.native's operators; None: PyTorch's SDPA) where it can: the packed
     dispatcher runs SDPA (`install` on a model whose attention was transformers' SDPA) and the
-    kernel is built for the model's dtype, the layer's head size and query heads per KV head.
-    Returns how many layers do."""
+    kernel is built for the model's dtype with the KV's (`kv_dtype`, default the model's), the
+    layer's head size and query heads per KV head. Returns how many layers do."""
     if getattr(model, _INNER_ATTR, None) is not _sdpa:
         kernel = None
     dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
@@ -214,7 +229,8 @@ def use_decode_kernel(model: torch.nn.Module, kernel) -> int:
         if groups is None:
             continue
         dim = getattr(module, "head_dim", None)
-        fits = kernel is not None and dim is not None and kernel.instantiated(dtype, dim, groups)
+        fits = kernel is not None and dim is not None and kernel.instantiated(
+            dtype, dim, groups, kv_dtype or dtype)
         setattr(module, DECODE_KERNEL_ATTR, kernel if fits else None)
         layers += fits
     return layers

@@ -19,7 +19,7 @@ import torch
 from engine.config import EngineConfig
 from engine.kernels import native
 from engine.model import llama_layers, lowbit, packed_forward, prepack, w8a8
-from engine.model.loader import LoadedModel, cache_dir
+from engine.model.loader import LoadedModel, cache_dir, kv_cache_dtype
 from engine.model.quantize import quantize_model
 
 log = logging.getLogger("seqgate.engine")
@@ -91,7 +91,8 @@ def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
     kernel = None
     if config.decode_attention == "auto" and packed and single and cpu:
         kernel = ops
-    kernel_layers = packed_forward.use_decode_kernel(model, kernel)
+    kernel_layers = packed_forward.use_decode_kernel(
+        model, kernel, kv_cache_dtype(config, dtype, loaded.device))
     if kernel is not None and not kernel_layers:
         log.info("decode attention kernel: this model's head shape is not one it vectorises; "
                  "using PyTorch's SDPA")

@@ -62,15 +62,17 @@ class ModelRunner:
     """Owns the model's forward calls: the step's packed forward, or one per group, in which
     contrastive rows feed their candidates (`engine.model.decode_inputs`)."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, tp_degree: int = 1):
+    def __init__(self, model: torch.nn.Module, device: torch.device, tp_degree: int = 1,
+                 kv_dtype: torch.dtype | None = None):
         self.model = model
         self.device = device
         self._lm_head = model.get_output_embeddings().weight
         self.vocab_size = self._lm_head.shape[0]
         self.dtype = self._lm_head.dtype
         # What new KV buffers are made like (dtype, device): a plain tensor, also under tensor
-        # parallelism, where the weights are DTensors but the layers' outputs are local.
-        self.kv_like = torch.empty(0, dtype=self.dtype, device=device)
+        # parallelism, where the weights are DTensors but the layers' outputs are local. The
+        # KV's dtype may be narrower than the model's (engine.model.loader.kv_cache_dtype).
+        self.kv_like = torch.empty(0, dtype=kv_dtype or self.dtype, device=device)
         cfg = model.config.get_text_config()
         self.n_layers = cfg.num_hidden_layers
         heads, hidden = getattr(cfg, "num_attention_heads", None), getattr(cfg, "hidden_size", None)

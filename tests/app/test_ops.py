@@ -16,6 +16,9 @@ def test_health_and_version(http, live_server):
     # the paths this host's engine chose, as the engine reports them
     kernels, engine = version["engine"]["kernels"], live_server.engine
     assert kernels["decode_attention_layers"] == engine.decode_kernel_layers
+    # not quantised: the KV in the model's dtype
+    assert kernels["kv_cache_dtype"] == str(engine.loaded.dtype).removeprefix("torch.") \
+        == str(engine.kv_dtype).removeprefix("torch.")
     blocks = engine.linear_blocks
     assert kernels["linear"] == {"mode": blocks.mode, "q4_layers": blocks.q4_layers,
                                  "q8_layers": blocks.q8_layers, "h16_layers": blocks.h16_layers,

@@ -153,6 +153,15 @@ def test_quantize_from_each_source(props):
         load_settings(config_file=props("option.quantize=int3\n"), env={})
 
 
+def test_kv_cache_dtype_from_each_source(props):
+    assert load_settings(env={}).engine.kv_cache_dtype == "auto"
+    assert load_settings(config_file=props("option.kv_cache_dtype=float16\n"),
+                         env={}).engine.kv_cache_dtype == "fp16"
+    assert load_settings(env={"SEQGATE_KV_CACHE_DTYPE": "bf16"}).engine.kv_cache_dtype == "bf16"
+    with pytest.raises(SettingsError, match=r"^option.kv_cache_dtype .*fp8.* one of auto, fp32"):
+        load_settings(config_file=props("option.kv_cache_dtype=fp8\n"), env={})
+
+
 def test_decode_attention_from_each_source(props):
     assert load_settings(env={}).engine.decode_attention == "auto"
     assert load_settings(config_file=props("option.decode_attention=sdpa\n"),

@@ -55,6 +55,9 @@ def test_the_kernel_builds_once_and_says_what_it_is_built_for(kernel):
             assert all(kernel.instantiated(dtype, dim, groups) for groups in range(1, 9))
         assert not kernel.instantiated(dtype, 64, 9) and not kernel.instantiated(dtype, 96, 3)
     assert not kernel.instantiated(torch.float16, 64, 3)
+    # an fp16 KV cache under an fp32 model (kv_cache_dtype), not under a bf16 one
+    assert kernel.instantiated(torch.float32, 128, 8, torch.float16)
+    assert not kernel.instantiated(torch.bfloat16, 64, 3, torch.float16)
 
 
 def test_a_new_source_or_new_flags_make_a_new_build(tmp_path, monkeypatch):
@@ -207,20 +210,22 @@ SHAPES = [  # rows, KV heads, query heads per KV head, head dim
 @pytest.mark.parametrize("rows,kv_heads,groups,dim", SHAPES)
 @pytest.mark.parametrize("columns", [1, 15, 16, 17, 47, 200])
 @pytest.mark.parametrize("masking", ["none", "left padding", "scattered"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.bfloat16, torch.bfloat16),
+                                            (torch.float32, torch.float32),
+                                            (torch.float32, torch.float16)])
 def test_the_kernel_computes_what_sdpa_does(kernel, rows, kv_heads, groups, dim, columns,
-                                           masking, dtype):
+                                           masking, dtype, kv_dtype):
     """In bf16 no further from fp32 attention of the same inputs than SDPA; in fp32, SDPA's
-    result within 1e-5."""
+    result within 1e-5, also over an fp16 KV cache (SDPA given it widened to fp32)."""
     gen = torch.Generator().manual_seed(rows * 1000 + columns * 10 + groups)
     q = _query(rows, kv_heads * groups, dim, gen, dtype)
-    k = _slab_view(rows, kv_heads, columns, dim, gen=gen, scale=3.0, dtype=dtype)
-    v = _slab_view(rows, kv_heads, columns, dim, gen=gen, dtype=dtype)
+    k = _slab_view(rows, kv_heads, columns, dim, gen=gen, scale=3.0, dtype=kv_dtype)
+    v = _slab_view(rows, kv_heads, columns, dim, gen=gen, dtype=kv_dtype)
     mask = _mask(masking, rows, columns, gen)
     scale = dim ** -0.5
     got = kernel.decode_attention(q, k, v, mask, scale)
     assert got.shape == (rows, 1, kv_heads * groups, dim) and got.dtype == dtype
-    sdpa = _sdpa(q, k, v, mask, scale)
+    sdpa = _sdpa(q, k.to(dtype), v.to(dtype), mask, scale)
     if dtype == torch.float32:
         torch.testing.assert_close(got, sdpa, rtol=1e-5, atol=1e-5)
         return
@@ -240,7 +245,9 @@ def test_calls_the_kernel_is_not_built_for_get_none(kernel):
     assert kernel.decode_attention(q, k, v, mask, 0.125) is not None
     for call in [
         (q.half(), k.half(), v.half(), mask),  # fp16
-        (q.float(), k, v, mask),  # mixed dtypes
+        (q.float(), k, v, mask),  # an fp32 query over bf16 KV
+        (q, k.half(), v.half(), mask),  # a bf16 query over fp16 KV
+        (q.float(), k.half(), v.float(), mask),  # keys and values of different dtypes
         (_query(2, 6, 16, gen), k[..., :16], v[..., :16], mask),  # head dim 16
         (_query(2, 18, 64, gen), k, v, mask),  # 9 query heads per KV head
         (_query(2, 5, 64, gen), k, v, mask),  # not whole groups

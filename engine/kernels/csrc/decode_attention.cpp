@@ -10,7 +10,8 @@
 //
 // One source for every CPU: it is written over ATen's Vectorized<float>, whose implementation
 // (AVX512, AVX2, NEON) the CPU_CAPABILITY_* macro the build defines picks; templated on the
-// element type (bf16, fp32), head size and query heads per KV head. Built on first use by
+// element types (bf16; fp32, with fp32 or float16 keys and values), head size and query heads
+// per KV head. Built on first use by
 // engine/kernels/native.py; registered as torch.ops.seqgate.*. Checked against
 // PyTorch's SDPA in tests/engine/test_native.py.
 //
@@ -243,19 +244,22 @@ void weighted_values(const Problem& p, const T* vp, const bool* mr, const float*
 
 // One (row, KV head). Scratch: the query (scaled, fp32), the scores then weights (`padded` per
 // query), a block's dot products and the output in fp32.
-template <typename T, int D, int G>
+// T: the query's and output's type; KV: the keys' and values' (T, or float16 under an fp32 query:
+// a 16-bit KV cache halves the bytes a step reads).
+template <typename T, typename KV, int D, int G>
 void attend(const Problem& p, int64_t task, int64_t padded, float* scratch) {
   const int64_t r = task / p.kv_heads, h = task % p.kv_heads;
   float *qf = scratch, *s = qf + G * D, *parts = s + G * padded, *of = parts + G * kLanes * kLanes;
   const T* q = static_cast<const T*>(p.q) + r * p.q_row + h * G * p.q_head;
-  const T* kp = static_cast<const T*>(p.k) + r * p.k_row + h * p.k_head;
-  const T* vp = static_cast<const T*>(p.v) + r * p.v_row + h * p.v_head;
+  const KV* kp = static_cast<const KV*>(p.k) + r * p.k_row + h * p.k_head;
+  const KV* vp = static_cast<const KV*>(p.v) + r * p.v_row + h * p.v_head;
   const bool* mr = p.mask ? p.mask + r * p.mask_row : nullptr;
   T* out = static_cast<T*>(p.out) + (r * p.kv_heads + h) * G * D;
   float mx[G], inv[G];
   bool dotted = false;
 #if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<T, at::BFloat16> && D % 32 == 0) {
+  if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<KV, at::BFloat16> &&
+                D % 32 == 0) {
     if (kBf16Dot) {
       scores_bf16_dot<D, G>(p, kp, mr, q, s, parts, padded, mx);
       dotted = true;
@@ -266,47 +270,50 @@ void attend(const Problem& p, int64_t task, int64_t padded, float* scratch) {
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < D; j += kLanes)
         (load(q + g * p.q_head + j) * Vec(p.scale)).store(qf + g * D + j);
-    scores<T, D, G>(p, kp, mr, qf, s, parts, padded, mx);
+    scores<KV, D, G>(p, kp, mr, qf, s, parts, padded, mx);
   }
   softmax<G>(s, padded, mx, inv);
   if constexpr (std::is_same_v<T, float>) {
-    weighted_values<T, D, G>(p, vp, mr, s, padded, inv, out);
+    weighted_values<KV, D, G>(p, vp, mr, s, padded, inv, out);
   } else {
-    weighted_values<T, D, G>(p, vp, mr, s, padded, inv, of);
+    weighted_values<KV, D, G>(p, vp, mr, s, padded, inv, of);
     at::vec::convert(of, out, G * D);
   }
 }
 
-template <typename T, int D, int G>
+template <typename T, typename KV, int D, int G>
 void run(const Problem& p, int64_t tasks) {
   const int64_t padded = (p.columns + kLanes - 1) / kLanes * kLanes;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(G * (2 * D + padded + kLanes * kLanes));
-    for (int64_t t = begin; t < end; ++t) attend<T, D, G>(p, t, padded, scratch.data());
+    for (int64_t t = begin; t < end; ++t) attend<T, KV, D, G>(p, t, padded, scratch.data());
   });
 }
 
 // What is instantiated: bf16 and fp32, head sizes 64 and 128, 1 to 8 query heads per KV head.
 using Run = void (*)(const Problem&, int64_t);
 
-template <typename T, int D, int... G>
+template <typename T, typename KV, int D, int... G>
 Run pick_group(int64_t groups, std::integer_sequence<int, G...>) {
   Run f = nullptr;
-  ((groups == G ? (f = &run<T, D, G>) : nullptr), ...);
+  ((groups == G ? (f = &run<T, KV, D, G>) : nullptr), ...);
   return f;
 }
 
-template <typename T>
+template <typename T, typename KV>
 Run pick_dim(int64_t dim, int64_t groups) {
   using Groups = std::integer_sequence<int, 1, 2, 3, 4, 5, 6, 7, 8>;
-  if (dim == 64) return pick_group<T, 64>(groups, Groups{});
-  if (dim == 128) return pick_group<T, 128>(groups, Groups{});
+  if (dim == 64) return pick_group<T, KV, 64>(groups, Groups{});
+  if (dim == 128) return pick_group<T, KV, 128>(groups, Groups{});
   return nullptr;
 }
 
-Run pick(at::ScalarType dtype, int64_t dim, int64_t groups) {
-  if (dtype == at::kBFloat16) return pick_dim<at::BFloat16>(dim, groups);
-  if (dtype == at::kFloat) return pick_dim<float>(dim, groups);
+// The query's dtype and the KV's: bf16 with bf16, fp32 with fp32 or float16.
+Run pick(at::ScalarType dtype, at::ScalarType kv_dtype, int64_t dim, int64_t groups) {
+  if (dtype == at::kBFloat16 && kv_dtype == at::kBFloat16)
+    return pick_dim<at::BFloat16, at::BFloat16>(dim, groups);
+  if (dtype == at::kFloat && kv_dtype == at::kFloat) return pick_dim<float, float>(dim, groups);
+  if (dtype == at::kFloat && kv_dtype == at::kHalf) return pick_dim<float, at::Half>(dim, groups);
   return nullptr;
 }
 
@@ -315,8 +322,7 @@ Run pick(at::ScalarType dtype, int64_t dim, int64_t groups) {
 Run fits(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
          const std::optional<at::Tensor>& mask) {
   if (q.dim() != 4 || k.dim() != 4 || v.sizes() != k.sizes() || !q.device().is_cpu() ||
-      !k.device().is_cpu() || !v.device().is_cpu() || k.scalar_type() != q.scalar_type() ||
-      v.scalar_type() != q.scalar_type())
+      !k.device().is_cpu() || !v.device().is_cpu() || v.scalar_type() != k.scalar_type())
     return nullptr;
   const int64_t rows = k.size(0), kv_heads = k.size(1), columns = k.size(2), dim = k.size(3);
   if (q.size(0) != rows || q.size(2) != 1 || q.size(3) != dim || kv_heads == 0 ||
@@ -330,7 +336,7 @@ Run fits(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         (m.stride(3) != 1 && columns > 1))
       return nullptr;
   }
-  return pick(q.scalar_type(), dim, q.size(1) / kv_heads);
+  return pick(q.scalar_type(), k.scalar_type(), dim, q.size(1) / kv_heads);
 }
 
 // query [rows, heads, 1, dim]; key, value [rows, kv_heads, columns, dim] (any strides but the
@@ -354,8 +360,9 @@ std::optional<at::Tensor> decode_attention(const at::Tensor& query, const at::Te
   return out;
 }
 
-bool instantiated(at::ScalarType dtype, int64_t dim, int64_t groups) {
-  return pick(dtype, dim, groups) != nullptr;
+bool instantiated(at::ScalarType dtype, int64_t dim, int64_t groups,
+                  std::optional<at::ScalarType> kv_dtype) {
+  return pick(dtype, kv_dtype.value_or(dtype), dim, groups) != nullptr;
 }
 
 std::string instruction_set() {
@@ -376,7 +383,8 @@ std::string instruction_set() {
 TORCH_LIBRARY(seqgate, m) {
   m.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale)"
         " -> Tensor?");
-  m.def("instantiated(ScalarType dtype, int dim, int groups) -> bool", &instantiated);
+  m.def("instantiated(ScalarType dtype, int dim, int groups, ScalarType? kv_dtype=None) -> bool",
+        &instantiated);
   m.def("instruction_set() -> str", &instruction_set);
 }
 

@@ -43,6 +43,11 @@ inline Vec load(const at::BFloat16* p) {
   at::vec::load_to_float(p, v);
   return v;
 }
+inline Vec load(const at::Half* p) {
+  Vec v;
+  at::vec::load_to_float(p, v);
+  return v;
+}
 
 inline void store(float* p, const Vec& v) { v.store(p); }
 inline void store(at::BFloat16* p, const Vec& v) {

@@ -1,0 +1,75 @@
+"""A KV cache narrower than the model (`kv_cache_dtype`): fp16 keys and values under an fp32
+model, which the decode-attention kernel widens as it reads and prompt chunks widen for SDPA.
+Greedy output equals transformers `generate` over keys and values rounded to fp16 as they are
+stored."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from engine import ConfigError, EngineConfig, SamplingParams
+from engine.model.loader import kv_cache_dtype
+from engine.model.prepare import original_model
+from tests.engine.helpers import collect, varied_prompts
+
+CPU = torch.device("cpu")
+
+
+class Fp16Cache(DynamicCache):
+    """transformers' cache holding what an fp16 KV cache holds: each key and value rounded to
+    fp16 when it is stored, before the attention reads it (the token's own too)."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return super().update(key_states.half().to(key_states.dtype),
+                              value_states.half().to(value_states.dtype), layer_idx,
+                              *args, **kwargs)
+
+
+def generate_over_fp16_kv(model, ids: list[int], max_new: int) -> list[int]:
+    with torch.inference_mode(), original_model(model):
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, min_new_tokens=max_new,
+                             do_sample=False, past_key_values=Fp16Cache())
+    return out[0, len(ids):].tolist()
+
+
+def test_auto_keeps_the_models_dtype_except_for_a_quantised_fp32_cpu_model():
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert kv_cache_dtype(EngineConfig(), f32, CPU) == f32
+    assert kv_cache_dtype(EngineConfig(), bf16, CPU) == bf16
+    for mode in ("int4", "int8", "w8a8"):
+        assert kv_cache_dtype(EngineConfig(quantize=mode), f32, CPU) == torch.float16
+        assert kv_cache_dtype(EngineConfig(quantize=mode), bf16, CPU) == bf16
+        assert kv_cache_dtype(EngineConfig(quantize=mode), f32, torch.device("cuda")) == f32
+    assert kv_cache_dtype(EngineConfig(quantize="int4", kv_cache_dtype="fp32"), f32, CPU) == f32
+    assert kv_cache_dtype(EngineConfig(kv_cache_dtype="bf16"), f32, CPU) == bf16
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        EngineConfig(kv_cache_dtype="int8")
+
+
+def test_an_fp16_kv_cache_decodes_as_generate_over_fp16_keys_and_values(smollm2, make_engine):
+    """Three jobs together (a rolling batch, prompt chunks of 37 tokens beside decoding rows,
+    no drafts) and one with drafts: every token as generate's over the rounded KV."""
+    tok = smollm2.tokenizer
+    wide = make_engine(smollm2)
+    eng = make_engine(smollm2, kv_cache_dtype="fp16", max_num_batched_tokens=37, stall_ratio=0,
+                      num_speculative_tokens=0)
+    assert (eng.kv_dtype, wide.kv_dtype) == (torch.float16, torch.float32)
+    assert eng.kv_budget.per_token * 2 == wide.kv_budget.per_token
+    if wide.decode_kernel_layers:  # the kernel takes fp16 KV where it takes fp32
+        assert eng.decode_kernel_layers == wide.decode_kernel_layers
+    prompts = varied_prompts(tok, 3)
+    handles = [eng.submit(p, SamplingParams(strategy="greedy", max_new_tokens=20,
+                                            min_new_tokens=20)) for p in prompts]
+    eng.run_until_idle()
+    got = [collect(h)[0]["tokens"] for h in handles]
+    want = [generate_over_fp16_kv(smollm2.model, p, 20) for p in prompts]
+    assert got == want
+    drafting = make_engine(smollm2, kv_cache_dtype="fp16")
+    echo = tok.encode("Repeat after me: the quick brown fox jumps over the lazy dog. "
+                      "The quick brown fox", add_special_tokens=False)
+    h = drafting.submit(echo, SamplingParams(strategy="greedy", max_new_tokens=16,
+                                             min_new_tokens=16))
+    drafting.run_until_idle()
+    assert collect(h)[0]["tokens"] == generate_over_fp16_kv(smollm2.model, echo, 16)
