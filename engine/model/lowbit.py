@@ -47,8 +47,9 @@ from engine.model.host_timing import best_of, cached, largest_win, torch_threads
 
 log = logging.getLogger("seqgate.engine")
 
-# Row counts the kernel is timed at against PyTorch's product (decode rows and drafts).
-CANDIDATE_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+# Row counts the kernel is timed at against the dense product: decode rows and drafts, and
+# prompt chunks up to a step's default token budget (256) and beyond.
+CANDIDATE_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
 class BlockLinear(torch.nn.Module):
