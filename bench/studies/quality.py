@@ -98,8 +98,8 @@ def _rounded(model: torch.nn.Module, layers: str) -> torch.nn.Module:
 
 
 def variant(model: torch.nn.Module, name: str) -> torch.nn.Module:
-    if name.endswith("-kv16"):
-        return _kv16(variant(model, name.removesuffix("-kv16")))
+    if name.endswith(f"-{KV16}"):
+        return _kv16(variant(model, name.removesuffix(f"-{KV16}")))
     if name == "bf16":
         return copy.deepcopy(model).to(torch.bfloat16)
     if name in ("int4", "int8"):

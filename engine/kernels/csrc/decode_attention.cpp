@@ -11,9 +11,8 @@
 // One source for every CPU: it is written over ATen's Vectorized<float>, whose implementation
 // (AVX512, AVX2, NEON) the CPU_CAPABILITY_* macro the build defines picks; templated on the
 // element types (bf16; fp32, with fp32 or float16 keys and values), head size and query heads
-// per KV head. Built on first use by
-// engine/kernels/native.py; registered as torch.ops.seqgate.*. Checked against
-// PyTorch's SDPA in tests/engine/test_native.py.
+// per KV head. Built on first use by engine/kernels/native.py; registered as
+// torch.ops.seqgate.*. Checked against PyTorch's SDPA in tests/engine/test_native.py.
 //
 // On a CPU with AVX512-BF16, bf16 keys are dotted with the query by its pair instruction
 // (`scores_bf16_dot`, chosen at run time), without widening them to fp32.
@@ -290,7 +289,8 @@ void run(const Problem& p, int64_t tasks) {
   });
 }
 
-// What is instantiated: bf16 and fp32, head sizes 64 and 128, 1 to 8 query heads per KV head.
+// What is instantiated: bf16 queries over bf16 KV, fp32 ones over fp32 or float16 KV; head sizes
+// 64 and 128, 1 to 8 query heads per KV head.
 using Run = void (*)(const Problem&, int64_t);
 
 template <typename T, typename KV, int D, int... G>
