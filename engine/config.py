@@ -109,9 +109,10 @@ class EngineConfig:
     # the native library builds, fp32 ones through FBGEMM where it does not).
     quantize: str = "none"
     # The KV cache's dtype: auto keeps the model's, except that a quantised fp32 model on the
-    # CPU (int4, int8, w8a8: already judged by next-token distance, not exactness) keeps fp16,
-    # halving the bytes each decode step's attention reads (engine.model.loader.kv_cache_dtype);
-    # fp32 | fp16 | bf16 set it.
+    # CPU (int4, int8, w8a8: already judged by next-token distance, not exactness) keeps fp16
+    # where the decode-attention kernel reads it, halving the bytes each decode step's attention
+    # reads (engine.model.prepare._kv_dtype); fp32 | fp16 | bf16 set it (narrower than the
+    # model's only with the packed forward, whose attention widens it).
     kv_cache_dtype: str = "auto"
     # Linear layers of CPU models: auto multiplies forwards of few rows through seqgate's
     # 4/8-bit block kernels (engine/model/lowbit.py) where the weights are exact blocks (in

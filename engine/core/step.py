@@ -22,7 +22,7 @@ from engine.kv.batch import SubBatch
 from engine.kv.radix_cache import RadixPrefixCache
 from engine.kv.rolling_batch import RollingBatch
 from engine.kv.slabs import rewind
-from engine.model.loader import LoadedModel, kv_cache_dtype
+from engine.model.loader import LoadedModel
 from engine.model.prepare import prepare
 from engine.model.runner import Chunk, ModelRunner
 from engine.outputs import EngineStats, StepStats
@@ -53,11 +53,10 @@ class EngineCore:
         limit = getattr(loaded.model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.eos_ids = loaded.eos_ids()
-        self.kv_dtype = kv_cache_dtype(config, loaded.model.get_output_embeddings().weight.dtype,
-                                       loaded.device)
-        self.runner = ModelRunner(loaded.model, loaded.device, config.tensor_parallel_degree,
-                                  self.kv_dtype)
+        self.runner = ModelRunner(loaded.model, loaded.device, config.tensor_parallel_degree)
         prepared = prepare(loaded, config)
+        self.kv_dtype = prepared.kv_dtype or self.runner.dtype
+        self.runner.keep_kv_in(self.kv_dtype)
         # Before the KV budget, which is what the device leaves once its weights are loaded too.
         draft_model = DraftModel.load(config, loaded, self.runner.vocab_size)
         self.packed_forward = prepared.packed_forward

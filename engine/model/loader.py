@@ -147,9 +147,10 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype,
                    device: torch.device) -> torch.dtype:
-    """The dtype the KV cache is kept in (`kv_cache_dtype`): auto keeps the model's, except for
-    an fp32 model quantised on the CPU, whose KV is kept in fp16 (the decode-attention kernel
-    widens it as it reads; a step's attention reads half the bytes)."""
+    """The dtype `kv_cache_dtype` asks the KV cache to be kept in: auto keeps the model's, except
+    for an fp32 model quantised on the CPU, whose KV it asks in fp16 (the decode-attention kernel
+    widens it as it reads; a step's attention reads half the bytes). engine.model.prepare
+    narrows it only where that holds (`_kv_dtype`)."""
     if config.kv_cache_dtype != "auto":
         return _DTYPES[config.kv_cache_dtype]
     if (device.type == "cpu" and model_dtype == torch.float32

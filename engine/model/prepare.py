@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.kernels import native
 from engine.model import llama_layers, lowbit, packed_forward, prepack, w8a8
 from engine.model.loader import LoadedModel, cache_dir, kv_cache_dtype
@@ -36,6 +36,7 @@ class Prepared:
     lowbit: lowbit.LowbitReport = field(default_factory=lowbit.LowbitReport)
     w8a8: w8a8.W8A8Report = field(default_factory=w8a8.W8A8Report)
     native: llama_layers.NativeReport = field(default_factory=llama_layers.NativeReport)
+    kv_dtype: torch.dtype | None = None  # the KV cache's (`_kv_dtype`); None: the model's
 
 
 def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
@@ -65,9 +66,12 @@ def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
                  " (rows rounded to 8 bits)" if blocks.int8_rows else "", blocks.timings)
     int8 = _install_w8a8(loaded, config, single, fp32, ops) if config.quantize == "w8a8" else \
         w8a8.W8A8Report()
+    # Whether the weights were rounded (the KV may then be narrowed too, `_kv_dtype`).
+    quantized = blocks.mode in ("int4", "int8") or int8.layers > 0
     if config.quantize in ("int4", "int8") and blocks.mode == "off":
         if cpu:
             report = quantize_model(model, config.quantize)
+            quantized = True
             log.info("quantize=%s: %d layers in int4, %d in int8 (%.1f MiB packed)",
                      config.quantize, report.int4_layers, report.int8_layers,
                      report.packed_bytes / 2**20)
@@ -91,12 +95,36 @@ def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
     kernel = None
     if config.decode_attention == "auto" and packed and single and cpu:
         kernel = ops
-    kernel_layers = packed_forward.use_decode_kernel(
-        model, kernel, kv_cache_dtype(config, dtype, loaded.device))
+    kv_dtype = _kv_dtype(model, config, dtype, loaded.device, packed, quantized, kernel)
+    kernel_layers = packed_forward.use_decode_kernel(model, kernel, kv_dtype)
     if kernel is not None and not kernel_layers:
         log.info("decode attention kernel: this model's head shape is not one it vectorises; "
                  "using PyTorch's SDPA")
-    return Prepared(packed, prepacked, lean, kernel_layers, blocks, int8, native_layers)
+    return Prepared(packed, prepacked, lean, kernel_layers, blocks, int8, native_layers, kv_dtype)
+
+
+def _kv_dtype(model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype,
+              device: torch.device, packed: bool, quantized: bool, kernel) -> torch.dtype:
+    """The KV cache's dtype. Only the packed forward's attention widens a narrower KV for the
+    query, so without it a narrower one set by hand is refused. auto narrows it only where the
+    weights were rounded and the decode kernel reads the narrower KV itself: elsewhere every
+    step would widen a copy of it, slower than keeping the model's dtype."""
+    wanted = kv_cache_dtype(config, dtype, device)
+    if wanted == dtype:
+        return dtype
+    if config.kv_cache_dtype != "auto":
+        if not packed:
+            raise ConfigError("kv_cache_dtype", config.kv_cache_dtype,
+                              f"the model's dtype ({str(dtype).removeprefix('torch.')}) where the "
+                              "packed forward is off (fuse_sub_batches, or a model without "
+                              "transformers' attention interface)")
+        return wanted
+    if packed and quantized and kernel is not None and packed_forward.use_decode_kernel(
+            model, kernel, wanted):
+        log.info("kv_cache_dtype=auto: the KV cache in %s (weights quantised, %s model)",
+                 str(wanted).removeprefix("torch."), str(dtype).removeprefix("torch."))
+        return wanted
+    return dtype
 
 
 def _install_w8a8(loaded: LoadedModel, config: EngineConfig, single: bool, fp32: bool,

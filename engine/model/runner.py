@@ -62,8 +62,7 @@ class ModelRunner:
     """Owns the model's forward calls: the step's packed forward, or one per group, in which
     contrastive rows feed their candidates (`engine.model.decode_inputs`)."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, tp_degree: int = 1,
-                 kv_dtype: torch.dtype | None = None):
+    def __init__(self, model: torch.nn.Module, device: torch.device, tp_degree: int = 1):
         self.model = model
         self.device = device
         self._lm_head = model.get_output_embeddings().weight
@@ -71,8 +70,8 @@ class ModelRunner:
         self.dtype = self._lm_head.dtype
         # What new KV buffers are made like (dtype, device): a plain tensor, also under tensor
         # parallelism, where the weights are DTensors but the layers' outputs are local. The
-        # KV's dtype may be narrower than the model's (engine.model.loader.kv_cache_dtype).
-        self.kv_like = torch.empty(0, dtype=kv_dtype or self.dtype, device=device)
+        # KV's dtype may be narrower than the model's (`keep_kv_in`).
+        self.kv_like = torch.empty(0, dtype=self.dtype, device=device)
         cfg = model.config.get_text_config()
         self.n_layers = cfg.num_hidden_layers
         heads, hidden = getattr(cfg, "num_attention_heads", None), getattr(cfg, "hidden_size", None)
@@ -86,6 +85,10 @@ class ModelRunner:
         self._cache_keyword = cache_keyword(model)
         # Piecewise CUDA graphs for packed forwards (`use_graphs`); None: every forward eager.
         self.graphs: cuda_graphs.LayerGraphs | None = None
+
+    def keep_kv_in(self, dtype: torch.dtype) -> None:
+        """New KV buffers in `dtype` (engine.model.prepare's choice for `kv_cache_dtype`)."""
+        self.kv_like = torch.empty(0, dtype=dtype, device=self.device)
 
     def use_graphs(self, max_tokens: int, capture: bool = True) -> bool:
         """Run packed forwards of up to `max_tokens` tokens through piecewise graphs

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers.cache_utils import DynamicCache
 
 from engine import Engine, EngineConfig, JobHandle, LoadedModel, SamplingParams
 from engine.kv.budget import PREFIX_CACHE_SHARE, kv_bytes_per_token
+from engine.model.lowbit import BlockLinear
 from engine.model.prepare import original_model
 from engine.model.runner import cache_keyword
 
@@ -160,3 +163,18 @@ def assert_same_forwards(a: tuple[list[torch.Tensor], DynamicCache],
     assert all(torch.equal(x, y) for x, y in zip(a[0], b[0], strict=True))
     for x, y in zip(a[1].layers, b[1].layers, strict=True):
         assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+
+
+def fresh_copy(smollm2: LoadedModel) -> LoadedModel:
+    """A copy of the shared model as loaded: block layers (an earlier engine's) made plain."""
+    model = copy.deepcopy(smollm2.model)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, BlockLinear):
+                plain = torch.nn.Linear(child.in_features, child.out_features,
+                                        bias=child.bias is not None, device="meta")
+                plain.weight, plain.bias = child.weight, child.bias
+                setattr(parent, name, plain)
+    model.tie_weights()
+    return LoadedModel(model, smollm2.tokenizer, smollm2.name, smollm2.source, smollm2.device,
+                       smollm2.dtype, 0.0, False)

@@ -10,9 +10,10 @@ import torch
 from transformers import DynamicCache
 
 from engine import ConfigError, EngineConfig, SamplingParams
-from engine.model.loader import kv_cache_dtype
+from engine.kernels import native
+from engine.model.loader import default_cache_dir, kv_cache_dtype
 from engine.model.prepare import original_model
-from tests.engine.helpers import collect, varied_prompts
+from tests.engine.helpers import collect, fresh_copy, varied_prompts
 
 CPU = torch.device("cpu")
 
@@ -30,7 +31,7 @@ class Fp16Cache(DynamicCache):
 def generate_over_fp16_kv(model, ids: list[int], max_new: int) -> list[int]:
     with torch.inference_mode(), original_model(model):
         out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, min_new_tokens=max_new,
-                             do_sample=False, past_key_values=Fp16Cache())
+                             do_sample=False, cache=Fp16Cache())
     return out[0, len(ids):].tolist()
 
 
@@ -46,6 +47,23 @@ def test_auto_keeps_the_models_dtype_except_for_a_quantised_fp32_cpu_model():
     assert kv_cache_dtype(EngineConfig(kv_cache_dtype="bf16"), f32, CPU) == bf16
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="int8")
+
+
+def test_auto_narrows_the_kv_only_where_the_decode_kernel_reads_it(smollm2, make_engine):
+    """int4 on the fp32 model: fp16 KV with the packed forward and the kernel; the model's dtype
+    without the kernel (every step would widen a copy) or without the packed forward (nothing
+    would widen it), where asking for fp16 by hand is refused."""
+    kernel = native.kernels(default_cache_dir()) is not None
+    for config, narrowed in (({}, kernel), ({"decode_attention": "sdpa"}, False),
+                             ({"fuse_sub_batches": False}, False)):
+        # int4 rounds the layers in place: a copy each time, the shared model untouched
+        eng = make_engine(fresh_copy(smollm2), quantize="int4", **config)
+        assert eng.kv_dtype == (torch.float16 if narrowed else torch.float32), config
+    with pytest.raises(ConfigError, match="kv_cache_dtype.*packed forward is off"):
+        make_engine(smollm2, kv_cache_dtype="fp16", fuse_sub_batches=False)
+    # fp16 asked for with SDPA: prompt chunks and decode steps widen it (the output: below)
+    assert make_engine(smollm2, kv_cache_dtype="fp16", decode_attention="sdpa").kv_dtype \
+        == torch.float16
 
 
 def test_an_fp16_kv_cache_decodes_as_generate_over_fp16_keys_and_values(smollm2, make_engine):

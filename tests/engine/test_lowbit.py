@@ -6,7 +6,6 @@ kernel serves up to is measured and cached, and greedy decoding with it equals t
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
@@ -30,6 +29,7 @@ from tests.engine.helpers import (
     assert_same_forwards,
     collect,
     forward_in_chunks,
+    fresh_copy,
     python_forward_in_chunks,
     reference_greedy,
     varied_prompts,
@@ -298,26 +298,13 @@ def test_choose_max_rows_times_both_paths(ops):
     assert all(len(t) == 2 and min(t) > 0 for t in timings.values())
 
 
-def _fresh(smollm2: LoadedModel) -> LoadedModel:
-    """A copy of the shared model as loaded: block layers (an earlier engine's) made plain."""
-    model = copy.deepcopy(smollm2.model)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, BlockLinear):
-                plain = torch.nn.Linear(child.in_features, child.out_features,
-                                        bias=child.bias is not None, device="meta")
-                plain.weight, plain.bias = child.weight, child.bias
-                setattr(parent, name, plain)
-    model.tie_weights()
-    return LoadedModel(model, smollm2.tokenizer, smollm2.name, smollm2.source, smollm2.device,
-                       smollm2.dtype, 0.0, False)
 
 
 @needs_kernel
 def test_the_embedded_model_is_q4_1_with_a_q8_0_head(smollm2):
     if smollm2.dtype != torch.float32:
         pytest.skip("the blocks serve fp32 models")
-    loaded = _fresh(smollm2)
+    loaded = fresh_copy(smollm2)
     prepared = prepare(loaded, EngineConfig())
     report = prepared.lowbit
     blocks = [m for m in loaded.model.modules() if isinstance(m, BlockLinear)]
@@ -338,7 +325,7 @@ def test_the_embedded_model_is_q4_1_with_a_q8_0_head(smollm2):
         assert m.max_rows == want, (m, prepared.native)
     again = prepare(loaded, EngineConfig()).lowbit  # a second engine over the same model
     assert (again.mode, again.q4_layers, again.q8_layers) == ("exact", 210, 1)
-    off = _fresh(smollm2)
+    off = fresh_copy(smollm2)
     assert prepare(off, EngineConfig(linear_kernel="torch")).lowbit.mode == "off"
     assert not any(isinstance(m, BlockLinear) for m in off.model.modules())
 
@@ -346,7 +333,7 @@ def test_the_embedded_model_is_q4_1_with_a_q8_0_head(smollm2):
 def test_a_gguf_model_loaded_in_bf16_gets_its_blocks_back(smollm2):
     """Every layer of the embedded Q4_1 model, rounded to bf16, yields blocks that hold its
     fp32 weights exactly; bf16 weights that are no blocks' yield none."""
-    model = _fresh(smollm2).model
+    model = fresh_copy(smollm2).model
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     assert len(linears) == 211
     for layer in linears:
@@ -361,7 +348,7 @@ def test_a_gguf_model_loaded_in_bf16_gets_its_blocks_back(smollm2):
 def test_a_bf16_engine_multiplies_few_rows_through_the_blocks(smollm2, make_engine):
     """bf16 layers holding a GGUF's blocks compute forwards of few rows from the blocks, in
     fp32 (the file's own weights), larger ones through oneDNN's bf16 product."""
-    loaded = _fresh(smollm2)
+    loaded = fresh_copy(smollm2)
     loaded = LoadedModel(loaded.model.to(torch.bfloat16), loaded.tokenizer, loaded.name,
                          loaded.source, loaded.device, torch.bfloat16, 0.0, False)
     eng = make_engine(loaded, prompt_cache_bytes=0)
@@ -394,7 +381,7 @@ def test_int4_and_int8_on_a_bf16_model_round_into_blocks_too(smollm2, make_engin
     takes the 8-bit rows kernel for few rows and the rounded weights in bf16 (oneDNN's product
     where it packs them) for many, as on an fp32 model; before, it fell to PyTorch's int4
     products and ran slower than the bf16 default on AVX512-BF16."""
-    loaded = _fresh(smollm2)
+    loaded = fresh_copy(smollm2)
     loaded = LoadedModel(loaded.model.to(torch.bfloat16), loaded.tokenizer, loaded.name,
                          loaded.source, loaded.device, torch.bfloat16, 0.0, False)
     monkeypatch.setattr(lowbit, "_max_rows", lambda layers, cache, key: (8, None))
@@ -444,7 +431,7 @@ def test_greedy_with_blocks_equals_generate_alone_and_batched(smollm2, make_engi
     `quantize=int4`, also round the rows: their own test below.)"""
     if smollm2.dtype != torch.float32:
         pytest.skip("the blocks serve fp32 models")
-    loaded = _fresh(smollm2)
+    loaded = fresh_copy(smollm2)
     if quantize == "bf16-values":
         with torch.no_grad():
             for p in loaded.model.parameters():
@@ -499,7 +486,7 @@ def test_int4_rounds_rows_to_8_bits_and_a_sequence_decodes_as_it_would_alone(
     from engine.sample import speculative
     from tests.engine.test_speculative import COPYING
 
-    loaded = _fresh(smollm2)
+    loaded = fresh_copy(smollm2)
     # The row limits are set below (_kernel_rows): timing them (seconds) would be unused.
     monkeypatch.setattr(lowbit, "_max_rows", lambda layers, cache, key: (64, None))
     eng = make_engine(loaded, quantize="int4", prompt_cache_bytes=0, num_speculative_tokens=0)
@@ -562,7 +549,7 @@ def test_native_layers_equal_the_python_forward_bit_for_bit(smollm2, dtype, monk
     prepacked copy on bf16): every step's logits and the KV cache equal those of the layer's
     Python forward bit for bit (the same arithmetic: ATen's operators called from C++, or for
     layers in blocks passes over the rows that round as those operators do)."""
-    fresh = _fresh(smollm2)
+    fresh = fresh_copy(smollm2)
     model = fresh.model.to(dtype)
     loaded = LoadedModel(model, fresh.tokenizer, fresh.name, fresh.source, fresh.device, dtype,
                          0.0, False)
@@ -593,7 +580,7 @@ def test_native_layers_equal_the_python_forward_bit_for_bit(smollm2, dtype, monk
 @needs_kernel
 def test_the_native_row_limit_is_timed_beyond_the_linear_layers_and_dense_turns_it_off(
         smollm2, monkeypatch):
-    fresh = _fresh(smollm2)
+    fresh = fresh_copy(smollm2)
     prepare(fresh, EngineConfig())
     natives = [vars(layer)["_lean_native"] for layer in fresh.model.model.layers]
     for b in (b for n in natives for b in n.linears):
