@@ -5,6 +5,8 @@ stored."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -49,7 +51,8 @@ def test_auto_keeps_the_models_dtype_except_for_a_quantised_fp32_cpu_model():
         EngineConfig(kv_cache_dtype="int8")
 
 
-def test_auto_narrows_the_kv_only_where_the_decode_kernel_reads_it(smollm2, make_engine):
+def test_auto_narrows_the_kv_only_where_the_decode_kernel_reads_it(smollm2, make_engine,
+                                                                    caplog):
     """int4 on the fp32 model: fp16 KV with the packed forward and the kernel; the model's dtype
     without the kernel (every step would widen a copy) or without the packed forward (nothing
     would widen it), where asking for fp16 by hand is refused."""
@@ -61,9 +64,11 @@ def test_auto_narrows_the_kv_only_where_the_decode_kernel_reads_it(smollm2, make
         assert eng.kv_dtype == (torch.float16 if narrowed else torch.float32), config
     with pytest.raises(ConfigError, match="kv_cache_dtype.*packed forward is off"):
         make_engine(smollm2, kv_cache_dtype="fp16", fuse_sub_batches=False)
-    # fp16 asked for with SDPA: prompt chunks and decode steps widen it (the output: below)
-    assert make_engine(smollm2, kv_cache_dtype="fp16", decode_attention="sdpa").kv_dtype \
-        == torch.float16
+    # fp16 asked for with SDPA: kept, each step widening a copy, which the log says
+    with caplog.at_level(logging.WARNING, logger="seqgate.engine"):
+        assert make_engine(smollm2, kv_cache_dtype="fp16", decode_attention="sdpa").kv_dtype \
+            == torch.float16
+    assert "widens a copy" in caplog.text
 
 
 def test_an_fp16_kv_cache_decodes_as_generate_over_fp16_keys_and_values(smollm2, make_engine):
