@@ -129,15 +129,14 @@ def install(model: torch.nn.Module) -> bool:
     else:
         inner = ALL_ATTENTION_FUNCTIONS.get_interface(original, None) or _eager(model)
     mask_fn = ALL_MASK_ATTENTION_FUNCTIONS[original if original in ("sdpa", "eager") else "sdpa"]
+    call = inner if inner is _sdpa else _widening(inner)
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         if not isinstance(key, GroupedKV):
-            return inner(module, query, *_widened(inner, query, key, value), attention_mask,
-                         **kwargs)
+            return call(module, query, key, value, attention_mask, **kwargs)
         outs = []
         for g, k, v in zip(key.groups, key.keys, key.values):
-            out, _ = inner(module, g.split(query), *_widened(inner, query, k, v), g.mask,
-                           **kwargs)
+            out, _ = call(module, g.split(query), k, v, g.mask, **kwargs)
             outs.append(g.join(out))
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
@@ -148,14 +147,22 @@ def install(model: torch.nn.Module) -> bool:
     return model.config._attn_implementation == FUSED_ATTENTION
 
 
-def _widened(inner, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The KV in the query's dtype for attention functions other than `_sdpa`, which widens
-    only where it does not run the decode kernel (a KV cache narrower than the model:
-    engine.model.loader.kv_cache_dtype)."""
-    if inner is _sdpa or key.dtype == query.dtype:
+def _in_query_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KV in the query's dtype: a KV cache narrower than the model
+    (engine.model.prepare._kv_dtype) widened for an attention that takes one dtype."""
+    if key.dtype == query.dtype:
         return key, value
     return key.to(query.dtype), value.to(query.dtype)
+
+
+def _widening(inner):
+    """`inner` (an attention function other than `_sdpa`, which widens only where it does not
+    run the decode kernel) given the KV in the query's dtype."""
+    def attention(module, query, key, value, *args, **kwargs):
+        return inner(module, query, *_in_query_dtype(query, key, value), *args, **kwargs)
+
+    return attention
 
 
 def plain_attention(model: torch.nn.Module) -> bool:
@@ -189,8 +196,7 @@ def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, 
                                       scaling if scaling is not None else dim ** -0.5)
         if out is not None:
             return out, None
-    if key.dtype != query.dtype:  # a narrower KV cache (engine.model.loader.kv_cache_dtype)
-        key, value = key.to(query.dtype), value.to(query.dtype)
+    key, value = _in_query_dtype(query, key, value)
     if (q_len > 1 and plain and groups > 1 and attention_mask is not None
             and attention_mask.shape[1] == 1 and query.device.type == "cpu"):
         # A prompt chunk with its mask: transformers repeats the KV heads (`repeat_kv`, a copy)
@@ -220,20 +226,31 @@ def use_decode_kernel(model: torch.nn.Module, kernel, kv_dtype: torch.dtype | No
     dispatcher runs SDPA (`install` on a model whose attention was transformers' SDPA) and the
     kernel is built for the model's dtype with the KV's (`kv_dtype`, default the model's), the
     layer's head size and query heads per KV head. Returns how many layers do."""
+    layers = 0
+    for module, fits in _kernel_fits(model, kernel, kv_dtype):
+        setattr(module, DECODE_KERNEL_ATTR, kernel if fits else None)
+        layers += fits
+    return layers
+
+
+def decode_kernel_reads(model: torch.nn.Module, kernel, kv_dtype: torch.dtype) -> bool:
+    """Whether `use_decode_kernel(model, kernel, kv_dtype)` would give some layer the kernel
+    (nothing is changed)."""
+    return any(fits for _, fits in _kernel_fits(model, kernel, kv_dtype))
+
+
+def _kernel_fits(model: torch.nn.Module, kernel, kv_dtype: torch.dtype | None):
+    """(attention layer, whether `kernel` takes its one-query calls), for each layer."""
     if getattr(model, _INNER_ATTR, None) is not _sdpa:
         kernel = None
     dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
-    layers = 0
     for module in model.modules():
         groups = getattr(module, "num_key_value_groups", None)
         if groups is None:
             continue
         dim = getattr(module, "head_dim", None)
-        fits = kernel is not None and dim is not None and kernel.instantiated(
-            dtype, dim, groups, kv_dtype or dtype)
-        setattr(module, DECODE_KERNEL_ATTR, kernel if fits else None)
-        layers += fits
-    return layers
+        yield module, (kernel is not None and dim is not None
+                       and kernel.instantiated(dtype, dim, groups, kv_dtype or dtype))
 
 
 def _eager(model: torch.nn.Module):

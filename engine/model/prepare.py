@@ -118,14 +118,13 @@ def _kv_dtype(model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype,
                               f"the model's dtype ({str(dtype).removeprefix('torch.')}) where the "
                               "packed forward is off (fuse_sub_batches, or a model without "
                               "transformers' attention interface)")
-        if kernel is None or not packed_forward.use_decode_kernel(model, kernel, wanted):
+        if not packed_forward.decode_kernel_reads(model, kernel, wanted):
             log.warning("kv_cache_dtype=%s under a %s model: the decode-attention kernel does "
                         "not read it here, so every step widens a copy of the KV (slower than "
                         "the model's dtype)", config.kv_cache_dtype,
                         str(dtype).removeprefix("torch."))
         return wanted
-    if packed and quantized and kernel is not None and packed_forward.use_decode_kernel(
-            model, kernel, wanted):
+    if packed and quantized and packed_forward.decode_kernel_reads(model, kernel, wanted):
         log.info("kv_cache_dtype=auto: the KV cache in %s (weights quantised, %s model)",
                  str(wanted).removeprefix("torch."), str(dtype).removeprefix("torch."))
         return wanted
