@@ -96,3 +96,18 @@ def test_an_fp16_kv_cache_decodes_as_generate_over_fp16_keys_and_values(smollm2,
                                              min_new_tokens=16))
     drafting.run_until_idle()
     assert collect(h)[0]["tokens"] == generate_over_fp16_kv(smollm2.model, echo, 16)
+
+
+def test_an_eager_attention_model_reads_the_fp16_kv_widened(smollm2, make_engine):
+    """A model on transformers' eager attention (no SDPA, so no decode kernel): the packed
+    dispatcher hands it the KV in the query's dtype."""
+    loaded = fresh_copy(smollm2)
+    loaded.model.set_attn_implementation("eager")
+    eng = make_engine(loaded, kv_cache_dtype="fp16", num_speculative_tokens=0)
+    assert (eng.kv_dtype, eng.decode_kernel_layers) == (torch.float16, 0)
+    prompts = varied_prompts(smollm2.tokenizer, 2)
+    handles = [eng.submit(p, SamplingParams(strategy="greedy", max_new_tokens=12,
+                                            min_new_tokens=12)) for p in prompts]
+    eng.run_until_idle()
+    assert [collect(h)[0]["tokens"] for h in handles] == \
+        [generate_over_fp16_kv(loaded.model, p, 12) for p in prompts]
