@@ -28,12 +28,16 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 if TYPE_CHECKING:
     from engine.model.decode_inputs import DecodeFeed
 
+# Prefix of the names the dispatcher is registered under, one per mask kind (a name is global
+# to the process; what each model's attention runs is kept on its own modules, `_CALL_ATTR`).
 FUSED_ATTENTION = "seqgate_fused"
 # Attribute of an attention layer holding the compiled decode kernel it runs
 # (engine.kernels.native).
 DECODE_KERNEL_ATTR = "_seqgate_decode_kernel"
 # Attribute of a model holding the attention function `install` dispatches groups to.
 _INNER_ATTR = "_seqgate_fused_inner"
+# Attribute of each of a model's modules holding the function its attention runs per group.
+_CALL_ATTR = "_seqgate_fused_call"
 
 
 @dataclass
@@ -116,11 +120,14 @@ NO_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)
 
 def install(model: torch.nn.Module) -> bool:
     """Route `model`'s attention through the packed dispatcher. False when the model does not
-    use transformers' attention interface (then the engine runs one forward per group)."""
+    use transformers' attention interface (then the engine runs one forward per group).
+
+    Models in one process may run different attention functions (SDPA, eager, a model's own):
+    each model's is kept on its modules, so installing on one never redirects another."""
     if not getattr(model, "_supports_attention_backend", False):
         return False
     original = model.config._attn_implementation
-    if original == FUSED_ATTENTION:
+    if original.startswith(FUSED_ATTENTION):
         return True
     if original == "sdpa":
         inner = _sdpa
@@ -128,23 +135,29 @@ def install(model: torch.nn.Module) -> bool:
         inner = _eager(model)
     else:
         inner = ALL_ATTENTION_FUNCTIONS.get_interface(original, None) or _eager(model)
-    mask_fn = ALL_MASK_ATTENTION_FUNCTIONS[original if original in ("sdpa", "eager") else "sdpa"]
+    mask_kind = original if original in ("sdpa", "eager") else "sdpa"
+    name = f"{FUSED_ATTENTION}_{mask_kind}"
     call = inner if inner is _sdpa else _widening(inner)
-
-    def attention(module, query, key, value, attention_mask, **kwargs):
-        if not isinstance(key, GroupedKV):
-            return call(module, query, key, value, attention_mask, **kwargs)
-        outs = []
-        for g, k, v in zip(key.groups, key.keys, key.values):
-            out, _ = call(module, g.split(query), k, v, g.mask, **kwargs)
-            outs.append(g.join(out))
-        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
-
     setattr(model, _INNER_ATTR, inner)
-    AttentionInterface.register(FUSED_ATTENTION, attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(FUSED_ATTENTION, mask_fn)
-    model.set_attn_implementation(FUSED_ATTENTION)
-    return model.config._attn_implementation == FUSED_ATTENTION
+    for module in model.modules():
+        setattr(module, _CALL_ATTR, call)
+    AttentionInterface.register(name, _dispatch)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[mask_kind])
+    model.set_attn_implementation(name)
+    return model.config._attn_implementation == name
+
+
+def _dispatch(module, query, key, value, attention_mask, **kwargs):
+    """The registered attention: each group of a packed step through the attention function
+    `install` kept on `module`, or a plain call straight to it."""
+    call = getattr(module, _CALL_ATTR)
+    if not isinstance(key, GroupedKV):
+        return call(module, query, key, value, attention_mask, **kwargs)
+    outs = []
+    for g, k, v in zip(key.groups, key.keys, key.values):
+        out, _ = call(module, g.split(query), k, v, g.mask, **kwargs)
+        outs.append(g.join(out))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
 
 def _in_query_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor

@@ -9,14 +9,12 @@ import logging
 
 import pytest
 import torch
-from transformers import AttentionInterface, DynamicCache
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers import DynamicCache
 
 from engine import ConfigError, EngineConfig, SamplingParams
 from engine.kernels import native
+from engine.model import packed_forward
 from engine.model.loader import default_cache_dir, kv_cache_dtype
-from engine.model.packed_forward import FUSED_ATTENTION
 from engine.model.prepare import original_model
 from tests.engine.helpers import collect, fresh_copy, varied_prompts
 
@@ -103,21 +101,23 @@ def test_an_fp16_kv_cache_decodes_as_generate_over_fp16_keys_and_values(smollm2,
 
 def test_an_eager_attention_model_reads_the_fp16_kv_widened(smollm2, make_engine):
     """A model on transformers' eager attention (no SDPA, so no decode kernel): the packed
-    dispatcher hands it the KV in the query's dtype. The dispatcher is registered under one
-    name for every model, so the SDPA one the shared model runs is put back afterwards."""
-    saved = (ALL_ATTENTION_FUNCTIONS[FUSED_ATTENTION],
-             ALL_MASK_ATTENTION_FUNCTIONS[FUSED_ATTENTION])
-    try:
-        loaded = fresh_copy(smollm2)
-        loaded.model.set_attn_implementation("eager")
-        eng = make_engine(loaded, kv_cache_dtype="fp16", num_speculative_tokens=0)
-        assert (eng.kv_dtype, eng.decode_kernel_layers) == (torch.float16, 0)
-        prompts = varied_prompts(smollm2.tokenizer, 2)
-        handles = [eng.submit(p, SamplingParams(strategy="greedy", max_new_tokens=12,
-                                                min_new_tokens=12)) for p in prompts]
-        eng.run_until_idle()
-        assert [collect(h)[0]["tokens"] for h in handles] == \
-            [generate_over_fp16_kv(loaded.model, p, 12) for p in prompts]
-    finally:
-        AttentionInterface.register(FUSED_ATTENTION, saved[0])
-        ALL_MASK_ATTENTION_FUNCTIONS.register(FUSED_ATTENTION, saved[1])
+    dispatcher hands it the KV in the query's dtype. Installing it there leaves the shared SDPA
+    model's attention as it was (one registered function for every model had redirected the
+    SDPA one to the eager attention installed last)."""
+    shared = smollm2.model
+    assert packed_forward.install(shared)
+    ids = torch.tensor([smollm2.tokenizer.encode("Each model keeps its own attention.")])
+    with torch.inference_mode():
+        before = shared(ids).logits
+    loaded = fresh_copy(smollm2)
+    loaded.model.set_attn_implementation("eager")
+    eng = make_engine(loaded, kv_cache_dtype="fp16", num_speculative_tokens=0)
+    assert (eng.kv_dtype, eng.decode_kernel_layers) == (torch.float16, 0)
+    prompts = varied_prompts(smollm2.tokenizer, 2)
+    handles = [eng.submit(p, SamplingParams(strategy="greedy", max_new_tokens=12,
+                                            min_new_tokens=12)) for p in prompts]
+    eng.run_until_idle()
+    assert [collect(h)[0]["tokens"] for h in handles] == \
+        [generate_over_fp16_kv(loaded.model, p, 12) for p in prompts]
+    with torch.inference_mode():
+        assert torch.equal(shared(ids).logits, before)
