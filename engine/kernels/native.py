@@ -86,7 +86,7 @@ class Native:
     """The loaded library's operators: `decode_attention(query, key, value, mask, scale)` (the
     attention, or None for a call it does not take: then SDPA), `q4_linear(x, q, d, m)`,
     `q8_linear(x, q, d)`, `h16_linear(x, w)`, `q4x8_q8_linear(x, q, d, m)`, `q8_q8_linear(x, q,
-    d)` (engine.model.lowbit), `lean_attention_inputs`
+    d)`, `q8x8_q8_linear(x, q, d)` (engine.model.lowbit), `lean_attention_inputs`
     and `lean_attention_output` (engine.model.llama_layers), `int8_linear(x, weight, scales,
     bias)` and `int8_product_kind()` (which product it multiplies by: engine.model.w8a8),
     `instantiated(dtype, head_dim, groups)` and `instruction_set()`."""
@@ -100,6 +100,7 @@ class Native:
         self.h16_linear = ops.h16_linear.default
         self.q4x8_q8_linear = ops.q4x8_q8_linear.default
         self.q8_q8_linear = ops.q8_q8_linear.default
+        self.q8x8_q8_linear = ops.q8x8_q8_linear.default
         self.lean_attention_inputs = ops.lean_attention_inputs.default
         self.lean_attention_output = ops.lean_attention_output.default
         self.int8_linear = ops.int8_linear.default

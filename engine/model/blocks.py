@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 BLOCK = 32  # input columns per block
-TILE = 8  # output rows a q4x8 tile holds
+TILE = 8  # output rows a q4x8 or q8x8 tile holds
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class Blocks:
     """A weight [out, in] in blocks: q (q4: [out, in / 2] uint8, two columns a byte; q8:
     [out, in] int8; bf16 / f16: [out, in] bfloat16 / float16), d and m ([out, in / 32] float16;
     m None for q8, both None for bf16 and f16). q4x8: q4's in tiles of 8 output rows
-    (`tile_q4`), the same tensors' shapes."""
+    (`tile_q4`), the same tensors' shapes; q8x8: q8's so (`tile_q8`), q as uint8."""
 
     kind: str
     q: torch.Tensor
@@ -33,6 +33,8 @@ class Blocks:
             return self.q.float()
         if self.kind == "q4x8":
             return untile_q4(self).dense()
+        if self.kind == "q8x8":
+            return untile_q8(self).dense()
         d = self.d.float()[..., None]
         if self.kind == "q8":
             q = self.q.float().view(*self.d.shape, BLOCK)
@@ -77,6 +79,31 @@ def untile_q4(blocks: Blocks) -> Blocks:
         return t.view(out // TILE, nb, TILE).transpose(1, 2).reshape(out, nb).contiguous()
 
     return Blocks("q4", q.contiguous(), in_rows(blocks.d), in_rows(blocks.m))
+
+
+def tile_q8(blocks: Blocks) -> Blocks | None:
+    """Q8_0 blocks in tiles of 8 output rows for the same kernel: per tile and block, 8 vectors
+    of 32 bytes, byte 4k + c of vector g holding row k's column 4g + c plus 128 (as uint8, so
+    the kernel splits it into two nibbles it multiplies as unsigned bytes); the 8 rows' scales
+    side by side. None where the rows are not a multiple of 8."""
+    out, cols = blocks.q.shape
+    if blocks.kind != "q8" or out % TILE:
+        return None
+    nb = cols // BLOCK
+    shifted = (blocks.q.to(torch.int16) + 128).to(torch.uint8)
+    q = shifted.view(out // TILE, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(out, cols)
+    d = blocks.d.view(out // TILE, TILE, nb).transpose(1, 2).reshape(out, nb)
+    return Blocks("q8x8", q.contiguous(), d.contiguous(), None)
+
+
+def untile_q8(blocks: Blocks) -> Blocks:
+    """`tile_q8`'s blocks back in rows."""
+    out, cols = blocks.q.shape
+    nb = cols // BLOCK
+    values = blocks.q.view(out // TILE, nb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(out, cols)
+    q = (values.to(torch.int16) - 128).to(torch.int8)
+    d = blocks.d.view(out // TILE, nb, TILE).transpose(1, 2).reshape(out, nb)
+    return Blocks("q8", q.contiguous(), d.contiguous(), None)
 
 
 def _q4(weight: torch.Tensor, exact: bool) -> Blocks | None:

@@ -105,7 +105,8 @@ class _Stacked(NamedTuple):
 
 
 _KINDS = {"q4": 0, "q8": 1, "bf16": 2, "f16": 2}  # csrc/lowbit_linear.h
-_INT8_ROWS = {"q4x8": 6, "q8": 7}  # blocks times rows rounded to 8 bits (csrc/q8_rows.cpp)
+# blocks times rows rounded to 8 bits (csrc/q8_rows.cpp)
+_INT8_ROWS = {"q4x8": 6, "q8": 7, "q8x8": 8}
 _INT8, _DENSE, _ONEDNN = 3, 4, 5  # csrc/lowbit_linear.h: int8, dense and prepacked weights
 
 

@@ -42,7 +42,14 @@ from pathlib import Path
 import torch
 
 from engine.model import onednn
-from engine.model.blocks import Blocks, blocks_of_bf16, exact_blocks, rounded_blocks, tile_q4
+from engine.model.blocks import (
+    Blocks,
+    blocks_of_bf16,
+    exact_blocks,
+    rounded_blocks,
+    tile_q4,
+    tile_q8,
+)
 from engine.model.host_timing import best_of, cached, largest_win, torch_threads
 
 log = logging.getLogger("seqgate.engine")
@@ -122,6 +129,8 @@ class BlockLinear(torch.nn.Module):
         bias, computed in fp32 (the result in `flat`'s dtype)."""
         if self.kind == "q4x8":
             return self.ops.q4x8_q8_linear(flat, self.q, self.d, self.m)
+        if self.kind == "q8x8":
+            return self.ops.q8x8_q8_linear(flat, self.q, self.d)
         if self.int8_rows:
             return self.ops.q8_q8_linear(flat, self.q, self.d)
         if self.kind == "q4":
@@ -195,9 +204,9 @@ def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
                 # default path multiplies its own.
                 weight = None if blocks is None else torch.nn.Parameter(
                     blocks.dense().to(child.weight.dtype), requires_grad=False)
-                # Q4_1 in tiles for the 8-bit rows' kernel; a layer whose rows do not make
-                # whole tiles keeps the exact kernel on its rounded weights.
-                tiles = blocks is not None and kind == "q4" and tile_q4(blocks)
+                # Q4_1 and Q8_0 in tiles for the 8-bit rows' kernel; a layer whose rows do
+                # not make whole tiles keeps the per-row kernels on its rounded weights.
+                tiles = blocks is not None and (tile_q4 if kind == "q4" else tile_q8)(blocks)
                 blocks = tiles or blocks
             if blocks is not None:
                 layer = BlockLinear(child, blocks, ops, 0, weight)
@@ -216,7 +225,8 @@ def install(model: torch.nn.Module, ops, quantize: str, cache: Path | None,
     for layer in layers:
         layer.ops, layer.max_rows = ops, max_rows
     return LowbitReport(
-        sum(b.kind in ("q4", "q4x8") for b in layers), sum(b.kind == "q8" for b in layers),
+        sum(b.kind in ("q4", "q4x8") for b in layers),
+        sum(b.kind in ("q8", "q8x8") for b in layers),
         quantize if any(b.rounded for b in layers) else "exact",
         sum(t.numel() * t.element_size() for b in layers for t in (b.q, b.d, b.m)
             if t is not None), max_rows, timings, sum(b.kind in ("bf16", "f16") for b in layers),

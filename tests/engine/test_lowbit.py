@@ -20,7 +20,9 @@ from engine.model.blocks import (
     exact_blocks,
     rounded_blocks,
     tile_q4,
+    tile_q8,
     untile_q4,
+    untile_q8,
 )
 from engine.model.lowbit import BlockLinear
 from engine.model.onednn import supported as onednn_bf16
@@ -165,26 +167,35 @@ def _rows_rounded_reference(x: torch.Tensor, blocks) -> torch.Tensor:
     return y
 
 
-def _rows_rounded(ops, x: torch.Tensor, blocks) -> torch.Tensor:
+def _rows_rounded(ops, x: torch.Tensor, blocks, tiled: bool = True) -> torch.Tensor:
+    """The 8-bit rows kernel's product: Q4_1 in tiles, Q8_0 in tiles or (`tiled` False) in
+    rows, the layout a layer whose rows do not make whole tiles keeps."""
     if blocks.kind == "q4":
         tiles = tile_q4(blocks)
         return ops.q4x8_q8_linear(x, tiles.q, tiles.d, tiles.m)
+    if tiled:
+        tiles = tile_q8(blocks)
+        return ops.q8x8_q8_linear(x, tiles.q, tiles.d)
     return ops.q8_q8_linear(x, blocks.q, blocks.d)
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["q4", "q8"])
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 9])
-def test_rows_rounded_to_8_bits_give_llama_cpp_arithmetic(ops, kind, rows):
-    """The int4 / int8 kernel for few rows (csrc/q8_rows.cpp) computes llama.cpp's Q4_1 x Q8_1
-    and Q8_0 x Q8_0 dot products: equal to the float64 reference from the same integers up to
-    fp32 sums, and no closer to the layer's exact product than rounding the rows allows."""
+@pytest.mark.parametrize("kind,tiled", [("q4", True), ("q8", True), ("q8", False)])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 9, 70])
+def test_rows_rounded_to_8_bits_give_llama_cpp_arithmetic(ops, kind, tiled, rows):
+    """The int4 / int8 kernel (csrc/q8_rows.cpp) computes llama.cpp's Q4_1 x Q8_1 and Q8_0 x
+    Q8_0 dot products, Q8_0 in tiles of 8 output rows or in rows: equal to the float64
+    reference from the same integers up to fp32 sums, and no closer to the layer's exact
+    product than rounding the rows allows. 70 rows take two groups of the tiles' rows; the
+    weights reach both ends of the bytes (-127 and 127, the nibbles' 0 and 15)."""
     weight = WEIGHTS[kind](40, 6 * BLOCK, seed=rows)
     blocks = exact_blocks(weight)
+    if kind == "q8":
+        assert int(blocks.q.min()) <= -120 and int(blocks.q.max()) >= 120
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 6 * BLOCK, generator=g)
     x[:, :BLOCK] = 0  # an all-zero block: scale 0, nothing divided by it
-    got = _rows_rounded(ops, x, blocks)
+    got = _rows_rounded(ops, x, blocks, tiled)
     want = _rows_rounded_reference(x, blocks)
     assert got.dtype == torch.float32 and got.shape == (rows, 40)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
@@ -199,20 +210,25 @@ def test_a_row_rounded_to_8_bits_gets_the_same_result_alone_or_beside_others(ops
     """Each row is rounded with its own scales and summed in one order whatever the rows beside
     it, so a sequence's products do not depend on its batch or on the drafts verified with it:
     bit for bit, also for bf16 rows (the fp32 result rounded)."""
-    for kind in ("q4", "q8"):
+    for kind, tiled in (("q4", True), ("q8", True), ("q8", False)):
         blocks = exact_blocks(WEIGHTS[kind](72, 4 * BLOCK))
         x = torch.randn(11, 4 * BLOCK) * torch.logspace(-2, 2, 11)[:, None]
-        together = _rows_rounded(ops, x, blocks)
+        together = _rows_rounded(ops, x, blocks, tiled)
         for i in range(len(x)):
-            assert torch.equal(_rows_rounded(ops, x[i:i + 1], blocks)[0], together[i])
+            assert torch.equal(_rows_rounded(ops, x[i:i + 1], blocks, tiled)[0], together[i])
         half = x.bfloat16()
-        assert torch.equal(_rows_rounded(ops, half, blocks),
-                           _rows_rounded(ops, half.float(), blocks).bfloat16())
+        assert torch.equal(_rows_rounded(ops, half, blocks, tiled),
+                           _rows_rounded(ops, half.float(), blocks, tiled).bfloat16())
     tiles = tile_q4(exact_blocks(WEIGHTS["q4"](72, 4 * BLOCK)))
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         ops.q4x8_q8_linear(x.half(), tiles.q, tiles.d, tiles.m)
     with pytest.raises(RuntimeError, match="multiple of 8"):
         ops.q4x8_q8_linear(x, tiles.q[:-1], tiles.d[:-1], tiles.m[:-1])
+    tiles8 = tile_q8(blocks)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        ops.q8x8_q8_linear(x, tiles8.q[:-1], tiles8.d[:-1])
+    with pytest.raises(RuntimeError, match="uint8"):
+        ops.q8x8_q8_linear(x, blocks.q, tiles8.d)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ops.q8_q8_linear(torch.randn(2, 4 * BLOCK - 1), blocks.q, blocks.d)
     with pytest.raises(RuntimeError, match="weights"):
@@ -244,6 +260,28 @@ def test_q4_tiles_hold_the_same_blocks_and_stack_by_rows():
     assert (byte >> 4) * d + m == pytest.approx(float(row[16 + 4 * h + c]), rel=1e-6)
     assert tile_q4(rounded_blocks(torch.randn(12, BLOCK), "q4")) is None
     assert tile_q4(rounded_blocks(torch.randn(16, BLOCK), "q8")) is None
+
+
+def test_q8_tiles_hold_the_same_blocks_and_stack_by_rows():
+    """int8's layout (and int4's head's) for the 8-bit rows kernel: Q8_0 blocks of 8 output rows
+    interleaved, each weight stored plus 128; back in rows unchanged, whole tiles in whole rows
+    of the tensors; none for rows that do not make whole tiles or for other kinds."""
+    a, b = (rounded_blocks(torch.randn(rows, 3 * BLOCK), "q8") for rows in (16, 24))
+    ta, tb = tile_q8(a), tile_q8(b)
+    assert ta.kind == "q8x8" and ta.q.dtype == torch.uint8 and ta.q.shape == a.q.shape
+    back = untile_q8(ta)
+    assert torch.equal(back.q, a.q) and torch.equal(back.d, a.d)
+    assert torch.equal(ta.dense(), a.dense())
+    both = tile_q8(Blocks("q8", torch.cat([a.q, b.q]), torch.cat([a.d, b.d]), None))
+    assert torch.equal(both.q, torch.cat([ta.q, tb.q])) and torch.equal(both.d,
+                                                                         torch.cat([ta.d, tb.d]))
+    # byte 4k + c of vector g in tile 1, block 2: row 8 + k's column 4g + c, plus 128
+    k, c, g = 5, 2, 6
+    byte = int(tb.q.view(3, 3, 8, 32)[1, 2, g, 4 * k + c])
+    assert byte - 128 == int(b.q[8 + k, 2 * BLOCK + 4 * g + c])
+    assert float(tb.d.view(3, 3, 8)[1, 2, k]) == float(b.d[8 + k, 2])
+    assert tile_q8(rounded_blocks(torch.randn(12, BLOCK), "q8")) is None
+    assert tile_q8(rounded_blocks(torch.randn(16, BLOCK), "q4")) is None
 
 
 @needs_kernel
@@ -374,7 +412,7 @@ def test_a_bf16_engine_multiplies_few_rows_through_the_blocks(smollm2, make_engi
 
 
 @needs_kernel
-@pytest.mark.parametrize("quantize,kinds", [("int4", {"q4x8", "q8"}), ("int8", {"q8"})])
+@pytest.mark.parametrize("quantize,kinds", [("int4", {"q4x8", "q8x8"}), ("int8", {"q8x8"})])
 def test_int4_and_int8_on_a_bf16_model_round_into_blocks_too(smollm2, make_engine, monkeypatch,
                                                               quantize, kinds):
     """`quantize=int4` (and int8) on a bf16 model (the default dtype where the CPU has bf16)
@@ -393,7 +431,7 @@ def test_int4_and_int8_on_a_bf16_model_round_into_blocks_too(smollm2, make_engin
     assert {m.kind for m in layers} == kinds
     # the native layers multiply few rows through the 8-bit rows kernel too
     assert vars(model.model.layers[0])["_lean_native"].blocks[0][0] == (
-        6 if quantize == "int4" else 7)
+        6 if quantize == "int4" else 8)
     assert all(m.weight.dtype == torch.bfloat16 for m in layers)
     stacks = [vars(layer)["_lean_stacked"] for layer in model.model.layers]
     stacked = [*(s.qkv for s in stacks), *(s.gate_up for s in stacks)]
@@ -493,7 +531,7 @@ def test_int4_rounds_rows_to_8_bits_and_a_sequence_decodes_as_it_would_alone(
     model = loaded.model
     layers = [m for m in model.modules() if isinstance(m, BlockLinear)]
     assert layers and all(m.rounded and m.int8_rows for m in layers)
-    assert {m.kind for m in layers} == {"q4x8", "q8"}  # Q4_1 in tiles of 8 output rows
+    assert {m.kind for m in layers} == {"q4x8", "q8x8"}  # in tiles of 8 output rows
     # the rounded head has its own weights; the embeddings keep theirs
     assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
     assert vars(model.model.layers[0])["_lean_native"].blocks[0][0] == 6  # q4x8 x q8 rows

@@ -79,7 +79,8 @@ at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double e
 // weight of its size and dtype. Shapes the layer's products would refuse are left to them.
 bool passes_fit(const at::Tensor& hidden, int64_t kind, int64_t head_dim,
                 const at::Tensor& norm) {
-  return (kind == kQ4 || kind == kQ8 || kind == kH16 || kind == kQ4x8Q8 || kind == kQ8Q8) &&
+  return (kind == kQ4 || kind == kQ8 || kind == kH16 || kind == kQ4x8Q8 || kind == kQ8Q8 ||
+          kind == kQ8x8Q8) &&
          hidden.dim() == 3 &&
          (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16) &&
          hidden.size(-1) % kLanes == 0 && head_dim % (2 * kLanes) == 0 &&

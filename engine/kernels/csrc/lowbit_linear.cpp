@@ -455,9 +455,12 @@ at::Tensor block_product(const at::Tensor& x, int64_t kind, const at::Tensor& q,
     case kQ8Q8:
       TORCH_CHECK(d.has_value(), "q8 x q8: scales");
       return q8_q8_linear(x, q, *d);
+    case kQ8x8Q8:
+      TORCH_CHECK(d.has_value(), "q8x8 x q8: scales");
+      return q8x8_q8_linear(x, q, *d);
   }
   TORCH_CHECK(false, "block kind: 0 (q4), 1 (q8), 2 (16-bit), 3 (int8), 4 (dense), ",
-              "5 (oneDNN's), 6 (q4x8 x q8) or 7 (q8 x q8), not ", kind);
+              "5 (oneDNN's), 6 (q4x8 x q8), 7 (q8 x q8) or 8 (q8x8 x q8), not ", kind);
 }
 
 }  // namespace seqgate

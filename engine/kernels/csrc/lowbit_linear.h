@@ -17,9 +17,9 @@ namespace seqgate {
 // multiplied as F.linear does (kDense), or oneDNN's prepacked copy of it
 // (engine.model.onednn.pack, kOnednn); and Q4_1 blocks in tiles of 8 output rows or Q8_0 blocks
 // multiplied by rows rounded to 8 bits (q8_rows.cpp: kQ4x8Q8, kQ8Q8), for the formats that were
-// rounded already.
+// rounded already, and Q8_0 blocks in tiles of 8 output rows times such rows (kQ8x8Q8).
 constexpr int64_t kQ4 = 0, kQ8 = 1, kH16 = 2, kInt8 = 3, kDense = 4, kOnednn = 5, kQ4x8Q8 = 6,
-                  kQ8Q8 = 7;
+                  kQ8Q8 = 7, kQ8x8Q8 = 8;
 
 // x [rows, in] (float32 or bfloat16) times the weights in blocks -> [rows, out], x's dtype.
 at::Tensor block_product(const at::Tensor& x, int64_t kind, const at::Tensor& q,
@@ -31,6 +31,7 @@ at::Tensor block_product(const at::Tensor& x, int64_t kind, const at::Tensor& q,
 at::Tensor q4x8_q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d,
                           const at::Tensor& m);
 at::Tensor q8_q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d);
+at::Tensor q8x8_q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d);
 
 // x [rows, in] (float32 or bfloat16, contiguous) times int8 `weight` [in, out] with one fp32
 // scale per output channel, each row quantised with its own scale -> [rows, out], x's dtype.

@@ -25,8 +25,15 @@
 // block in int16 (at most 8 * 2 * 15 * 127 < 32768), and one conversion and one FMA scale the
 // 8 outputs at once: about half the instructions per row and block of a layout with one output
 // row per vector, which needs the same conversion and FMA for one output (docs/benchmarks/
-// speed.md). Q8_0 keeps one output row per vector: its products of two signed bytes take a sign
-// instruction each and overflow int16 in pairs of vectors.
+// speed.md).
+//
+// Q8_0 comes in tiles of 8 output rows too (tile_q8, kind "q8x8"): per tile and block, 8 vectors
+// whose byte 4k + c holds output row k's column 4g + c plus 128. The unsigned byte splits into
+// two nibbles that `vpmaddubsw` takes as Q4_1's are taken, and sum(w * x) = 16 * sum(high * x) +
+// sum(low * x) - 128 * sum(x) in integers: two multiplications per 32 products, where the
+// per-row layout (`rows`, for layers whose rows do not make whole tiles) needs a sign
+// instruction and a widening sum for each, plus its conversion and FMA per output
+// (docs/benchmarks/speed.md).
 //
 // Registered as torch.ops.seqgate.q4x8_q8_linear / q8_q8_linear; the intrinsics are AVX2 (also
 // built into the AVX512 library), other CPUs run the same arithmetic in a scalar loop. Checked in
@@ -53,9 +60,10 @@ namespace {
 
 constexpr int kBlock = 32;       // input columns per block
 
-// The rows rounded to 8 bits, block by block: q [rows, in] int8, d and s [rows, blocks] fp32.
+// The rows rounded to 8 bits, block by block: q [rows, in] int8, d and s [rows, blocks] fp32,
+// and each block's sum(q) in int32 (qs).
 struct Rows {
-  at::Tensor q, d, s;
+  at::Tensor q, d, s, qs;
 };
 
 // Rounds x's rows ([rows, in] fp32, contiguous) as llama.cpp's quantize_row_q8_1 does, scales in
@@ -63,11 +71,13 @@ struct Rows {
 Rows round_rows(const at::Tensor& x) {
   const int64_t n = x.size(0), in = x.size(1), blocks = in / kBlock;
   Rows r{at::empty({n, in}, x.options().dtype(at::kChar)),
-         at::empty({n, blocks}, x.options()), at::empty({n, blocks}, x.options())};
+         at::empty({n, blocks}, x.options()), at::empty({n, blocks}, x.options()),
+         at::empty({n, blocks}, x.options().dtype(at::kInt))};
   const float* xp = x.const_data_ptr<float>();
   int8_t* qp = r.q.data_ptr<int8_t>();
   float* dp = r.d.data_ptr<float>();
   float* sp = r.s.data_ptr<float>();
+  int32_t* qsp = r.qs.data_ptr<int32_t>();
   for (int64_t b = 0; b < n * blocks; ++b) {
     const float* v = xp + b * kBlock;
     int8_t* q = qp + b * kBlock;
@@ -99,6 +109,7 @@ Rows round_rows(const at::Tensor& x) {
 #endif
     dp[b] = d;
     sp[b] = d * static_cast<float>(sum);
+    qsp[b] = sum;
   }
   return r;
 }
@@ -109,6 +120,7 @@ struct RowsView {
   const int8_t* q;
   const float* d;
   const float* s;
+  const int32_t* qs;
   int64_t in, blocks;
 };
 
@@ -208,6 +220,81 @@ void tiles(const Tiles& w, const RowsView& x, int n, float* y, int64_t ldy, int6
         for (int64_t b = 0; b < w.blocks; ++b)
           mins = std::fma(half(wm[b * kTileRows + k]), x.s[r * x.blocks + b], mins);
         y[r * ldy + t * kTileRows + k] = acc + mins;
+      }
+    }
+#endif
+  }
+}
+
+// ---- Q8_0 in tiles of 8 output rows ------------------------------------------------------
+
+struct Tiles8 {
+  const uint8_t* q;    // per tile, per block: 8 x 32 bytes (the layout above), q + 128
+  const at::Half* d;   // per tile, per block: 8 scales
+  int64_t blocks;
+};
+
+// y[r, 8t .. 8t + 8) for n rows (at most kTileRowGroup) and tiles [begin, end), as `tiles`
+// does for Q4_1: each stored byte w + 128 (0 .. 255) is split into its nibbles, unpacked once
+// per tile and block, and the row's 4 columns broadcast are multiplied by both: sum(w * x) =
+// 16 * sum(high * x) + sum(low * x) - 128 * sum(x), all in integers, so a block's dot is the
+// per-row kernel's exactly (each nibble sum stays in int16: 8 * 2 * 15 * 127 < 32768).
+void tiles8(const Tiles8& w, const RowsView& x, int n, float* y, int64_t ldy, int64_t begin,
+            int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
+    const uint8_t* wq = w.q + t * w.blocks * kBlock * kTileRows;
+    const at::Half* wd = w.d + t * w.blocks * kTileRows;
+#if defined(SEQGATE_Q8_ROWS_AVX2)
+    alignas(32) float acc[kTileRowGroup * kTileRows];
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1),
+                  sixteens = _mm256_set1_epi16(16);
+    for (int r = 0; r < n; ++r) _mm256_store_ps(acc + r * kTileRows, _mm256_setzero_ps());
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      const uint8_t* p = wq + b * kBlock * kTileRows;
+      __m256i lo[8], hi[8];
+      for (int g = 0; g < 8; ++g) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * g));
+        lo[g] = _mm256_and_si256(packed, low4);
+        hi[g] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+      }
+      const __m256 d = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b * kTileRows)));
+      const int8_t* row = x.q + b * kBlock;
+      for (int r = 0; r < n; ++r, row += x.in) {
+        __m256i xb = broadcast4(row);
+        __m256i low = _mm256_maddubs_epi16(lo[0], xb), high = _mm256_maddubs_epi16(hi[0], xb);
+        for (int g = 1; g < 8; ++g) {
+          xb = broadcast4(row + 4 * g);
+          low = _mm256_add_epi16(low, _mm256_maddubs_epi16(lo[g], xb));
+          high = _mm256_add_epi16(high, _mm256_maddubs_epi16(hi[g], xb));
+        }
+        const int64_t rb = r * x.blocks + b;
+        const __m256i dot = _mm256_sub_epi32(
+            _mm256_add_epi32(_mm256_madd_epi16(high, sixteens), _mm256_madd_epi16(low, ones)),
+            _mm256_set1_epi32(128 * x.qs[rb]));
+        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x.d[rb]));
+        _mm256_store_ps(acc + r * kTileRows,
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale,
+                                        _mm256_load_ps(acc + r * kTileRows)));
+      }
+    }
+    for (int r = 0; r < n; ++r)
+      _mm256_storeu_ps(y + r * ldy + t * kTileRows, _mm256_load_ps(acc + r * kTileRows));
+#else
+    for (int r = 0; r < n; ++r) {
+      const int8_t* row = x.q + r * x.in;
+      for (int k = 0; k < kTileRows; ++k) {
+        float acc = 0.f;
+        for (int64_t b = 0; b < w.blocks; ++b) {
+          const uint8_t* p = wq + b * kBlock * kTileRows;
+          int32_t sum = 0;
+          for (int g = 0; g < 8; ++g)
+            for (int c = 0; c < 4; ++c)
+              sum += (static_cast<int32_t>(p[32 * g + 4 * k + c]) - 128) * row[b * kBlock + 4 * g + c];
+          const float scale = half(wd[b * kTileRows + k]) * x.d[r * x.blocks + b];
+          acc = std::fma(static_cast<float>(sum), scale, acc);
+        }
+        y[r * ldy + t * kTileRows + k] = acc;
       }
     }
 #endif
@@ -374,13 +461,15 @@ at::Tensor linear(const at::Tensor& input, int64_t out, int64_t units, int max_r
   const int64_t n = x.size(0);
   const int64_t in = x.size(1), blocks = in / kBlock;
   const RowsView v{rounded.q.const_data_ptr<int8_t>(), rounded.d.const_data_ptr<float>(),
-                   rounded.s.const_data_ptr<float>(), in, blocks};
+                   rounded.s.const_data_ptr<float>(), rounded.qs.const_data_ptr<int32_t>(), in,
+                   blocks};
   at::Tensor y = at::empty({n, out}, x.options());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
     for (int64_t u0 = begin; u0 < end; u0 += grain)
       for (int64_t r0 = 0; r0 < n; r0 += max_rows) {
-        const RowsView part{v.q + r0 * in, v.d + r0 * blocks, v.s + r0 * blocks, in, blocks};
+        const RowsView part{v.q + r0 * in, v.d + r0 * blocks, v.s + r0 * blocks,
+                            v.qs + r0 * blocks, in, blocks};
         pass(static_cast<int>(std::min<int64_t>(max_rows, n - r0)), part, yp + r0 * out, out,
              u0, std::min(u0 + grain, end));
       }
@@ -409,6 +498,20 @@ at::Tensor q4x8_q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Te
                 });
 }
 
+// x [rows, in] float32 or bfloat16 (the result alike); q [out, in] uint8 (each weight + 128),
+// d [out, in / 32] float16, in tiles of 8 output rows (`tiles8`; out a multiple of 8) ->
+// [rows, out].
+at::Tensor q8x8_q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d) {
+  check(x, q, d, kBlock);
+  TORCH_CHECK(q.scalar_type() == at::kByte, "weights: uint8");
+  TORCH_CHECK(q.size(0) % kTileRows == 0, "weights: output rows a multiple of 8 (tiles)");
+  const Tiles8 w{q.const_data_ptr<uint8_t>(), d.const_data_ptr<at::Half>(), d.size(1)};
+  return linear(x, q.size(0), q.size(0) / kTileRows, kTileRowGroup, 4,
+                [&](int n, const RowsView& v, float* y, int64_t ldy, int64_t b, int64_t e) {
+                  tiles8(w, v, n, y, ldy, b, e);
+                });
+}
+
 // x [rows, in] float32 or bfloat16; q [out, in] int8; d [out, in / 32] float16 -> [rows, out].
 at::Tensor q8_q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d) {
   check(x, q, d, kBlock);
@@ -425,9 +528,11 @@ at::Tensor q8_q8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
 TORCH_LIBRARY_FRAGMENT(seqgate, m) {
   m.def("q4x8_q8_linear(Tensor x, Tensor q, Tensor d, Tensor m) -> Tensor");
   m.def("q8_q8_linear(Tensor x, Tensor q, Tensor d) -> Tensor");
+  m.def("q8x8_q8_linear(Tensor x, Tensor q, Tensor d) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(seqgate, CPU, m) {
   m.impl("q4x8_q8_linear", &seqgate::q4x8_q8_linear);
   m.impl("q8_q8_linear", &seqgate::q8_q8_linear);
+  m.impl("q8x8_q8_linear", &seqgate::q8x8_q8_linear);
 }
