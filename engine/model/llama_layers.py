@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from engine.model.host_timing import best_of, cached, largest_win, torch_threads
-from engine.model.lowbit import CANDIDATE_ROWS, BlockLinear, timings_path
+from engine.model.lowbit import CANDIDATE_ROWS, BlockLinear, beyond_timed, timings_path
 from engine.model.prepack import PrepackedLinear
 from engine.model.quantize import PackedLinear
 from engine.model.w8a8 import W8A8Linear
@@ -414,10 +414,11 @@ def time_native(model: torch.nn.Module, cache: Path | None, code_key: str,
                                 CANDIDATE_ROWS])
         entry = cached(timings_path(cache), signature,
                        lambda: _measure_native(natives, rotary, own))
+    max_rows = beyond_timed(entry["max_rows"])
     for _, native in natives:  # one limit for the native and the Python forwards
         for b in native.linears:
-            b.max_rows = entry["max_rows"]
-    return NativeReport(len(natives), entry["max_rows"], entry["timings"])
+            b.max_rows = max_rows
+    return NativeReport(len(natives), max_rows, entry["timings"])
 
 
 def _measure_native(natives: list, rotary: torch.nn.Module, own: int) -> dict:

@@ -57,6 +57,15 @@ log = logging.getLogger("seqgate.engine")
 # Row counts the kernel is timed at against the dense product: decode rows and drafts, and
 # prompt chunks up to a step's default token budget (256) and beyond.
 CANDIDATE_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# The row limit where the kernel won at the largest count timed: past a few dozen rows both
+# products cost the same per row (the kernel takes the rows 64 at a time), so it serves every
+# forward, a prompt of more than 512 tokens in one step too.
+UNBOUNDED = 2**31 - 1
+
+
+def beyond_timed(max_rows: int) -> int:
+    """A timed row limit, UNBOUNDED where it is the largest candidate."""
+    return UNBOUNDED if max_rows >= CANDIDATE_ROWS[-1] else max_rows
 
 
 class BlockLinear(torch.nn.Module):
@@ -255,7 +264,7 @@ def _max_rows(layers: list[BlockLinear], cache: Path | None,
         return {"max_rows": max_rows, "timings": timings}
 
     entry = cached(path, _signature(layers, code_key), measure)
-    return entry["max_rows"], entry["timings"]
+    return beyond_timed(entry["max_rows"]), entry["timings"]
 
 
 def choose_max_rows(layers: list[BlockLinear], rows: tuple[int, ...] = CANDIDATE_ROWS

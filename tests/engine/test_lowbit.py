@@ -368,6 +368,26 @@ def test_the_embedded_model_is_q4_1_with_a_q8_0_head(smollm2):
     assert not any(isinstance(m, BlockLinear) for m in off.model.modules())
 
 
+@needs_kernel
+@pytest.mark.parametrize("timed", [lowbit.CANDIDATE_ROWS[-1], 256])
+def test_a_kernel_that_wins_at_the_largest_count_timed_serves_every_forward(
+        smollm2, ops, monkeypatch, tmp_path, timed):
+    """Past a few dozen rows both products cost the same per row, so a kernel that won at the
+    largest count timed also takes forwards beyond it (a long prompt in one step); one that
+    lost there keeps its limit, and larger forwards go to the dense product."""
+    model = fresh_copy(smollm2).model
+    monkeypatch.setattr(lowbit, "choose_max_rows", lambda layers: (timed, {}))
+    report = lowbit.install(model, ops, "int4", tmp_path, "key")
+    want = lowbit.UNBOUNDED if timed == lowbit.CANDIDATE_ROWS[-1] else timed
+    layer = model.model.layers[0].mlp.down_proj
+    assert report.max_rows == layer.max_rows == want
+    x = torch.randn(600, layer.in_features, dtype=layer.weight.dtype)
+    with torch.inference_mode():
+        through = layer.kernel_product(x) if want == lowbit.UNBOUNDED else layer.dense_product(x)
+        assert torch.equal(layer(x), through)
+        assert not torch.equal(layer.kernel_product(x), layer.dense_product(x))
+
+
 def test_a_gguf_model_loaded_in_bf16_gets_its_blocks_back(smollm2):
     """Every layer of the embedded Q4_1 model, rounded to bf16, yields blocks that hold its
     fp32 weights exactly; bf16 weights that are no blocks' yield none."""
