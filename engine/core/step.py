@@ -55,7 +55,7 @@ class EngineCore:
         self.eos_ids = loaded.eos_ids()
         self.runner = ModelRunner(loaded.model, loaded.device, config.tensor_parallel_degree)
         prepared = prepare(loaded, config)
-        self.kv_dtype = prepared.kv_dtype or self.runner.dtype
+        self.kv_dtype = prepared.kv_dtype
         self.runner.keep_kv_in(self.kv_dtype)
         # Before the KV budget, which is what the device leaves once its weights are loaded too.
         draft_model = DraftModel.load(config, loaded, self.runner.vocab_size)

@@ -33,10 +33,10 @@ class Prepared:
     prepacked_layers: int
     lean_layers: int
     decode_kernel_layers: int
+    kv_dtype: torch.dtype  # the KV cache's (`_kv_dtype`)
     lowbit: lowbit.LowbitReport = field(default_factory=lowbit.LowbitReport)
     w8a8: w8a8.W8A8Report = field(default_factory=w8a8.W8A8Report)
     native: llama_layers.NativeReport = field(default_factory=llama_layers.NativeReport)
-    kv_dtype: torch.dtype | None = None  # the KV cache's (`_kv_dtype`); None: the model's
 
 
 def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
@@ -100,7 +100,7 @@ def prepare(loaded: LoadedModel, config: EngineConfig) -> Prepared:
     if kernel is not None and not kernel_layers:
         log.info("decode attention kernel: this model's head shape is not one it vectorises; "
                  "using PyTorch's SDPA")
-    return Prepared(packed, prepacked, lean, kernel_layers, blocks, int8, native_layers, kv_dtype)
+    return Prepared(packed, prepacked, lean, kernel_layers, kv_dtype, blocks, int8, native_layers)
 
 
 def _kv_dtype(model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype,
