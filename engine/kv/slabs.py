@@ -55,6 +55,10 @@ class SlabLayer(DynamicLayer):
         if self.end + n > self.capacity:
             raise RuntimeError(f"slab full ({self.end} + {n} > {self.capacity} columns): "
                                "SubBatch.reserve must run before the forward")
+        if self.dtype == torch.float16 and key_states.dtype != torch.float16:
+            # A narrower KV cache than the model (`kv_cache_dtype`): values past fp16's range
+            # saturate instead of becoming infinities, which would turn the attention to NaN.
+            key_states, value_states = _in_fp16_range(key_states), _in_fp16_range(value_states)
         self.kbuf[: self.rows, :, self.end : self.end + n] = key_states
         self.vbuf[: self.rows, :, self.end : self.end + n] = value_states
         self.end += n
@@ -63,6 +67,13 @@ class SlabLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return self.end - self.start
+
+_FP16_MAX = torch.finfo(torch.float16).max
+
+
+def _in_fp16_range(t: torch.Tensor) -> torch.Tensor:
+    return t.clamp(-_FP16_MAX, _FP16_MAX)
+
 
 class SlabCache(Cache):
     """A transformers Cache over SlabLayers, one per model layer."""

@@ -121,3 +121,22 @@ def test_an_eager_attention_model_reads_the_fp16_kv_widened(smollm2, make_engine
         [generate_over_fp16_kv(loaded.model, p, 12) for p in prompts]
     with torch.inference_mode():
         assert torch.equal(shared(ids).logits, before)
+
+
+def test_values_past_fp16s_range_saturate_in_an_fp16_kv_cache():
+    """A key or value beyond fp16's range is stored as its largest finite value, not as an
+    infinity (which would turn the attention over it to NaN); the rest are rounded to fp16."""
+    from engine.kv.slabs import SlabLayer
+
+    buf = [torch.zeros(2, 3, 8, 4, dtype=torch.float16) for _ in range(2)]
+    layer = SlabLayer(*buf, end=0)
+    keys = torch.randn(2, 3, 2, 4)
+    values = torch.randn(2, 3, 2, 4)
+    keys[0, 1, 0, 2], values[1, 2, 1, 3] = 1e6, -3e5
+    got_k, got_v = layer.update(keys, values)
+    assert torch.isfinite(got_k).all() and torch.isfinite(got_v).all()
+    big = torch.finfo(torch.float16).max
+    assert float(got_k[0, 1, 0, 2]) == big and float(got_v[1, 2, 1, 3]) == -big
+    keys[0, 1, 0, 2], values[1, 2, 1, 3] = 0.0, 0.0
+    got_k[0, 1, 0, 2], got_v[1, 2, 1, 3] = 0.0, 0.0
+    assert torch.equal(got_k, keys.half()) and torch.equal(got_v, values.half())
