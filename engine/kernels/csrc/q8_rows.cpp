@@ -139,6 +139,24 @@ inline __m256i broadcast4(const int8_t* p) {  // 4 bytes, 8 times over
 }
 #endif
 
+#if defined(SEQGATE_Q8_ROWS_AVX2)
+// N vectors of 32 bytes from p split into their low and high nibbles (each 0..15, as bytes).
+template <int N>
+inline void nibbles(const uint8_t* p, __m256i (&lo)[N], __m256i (&hi)[N]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int i = 0; i < N; ++i) {
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i));
+    lo[i] = _mm256_and_si256(packed, low4);
+    hi[i] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+  }
+}
+
+// A tile's 8 fp16 constants of one block as floats.
+inline __m256 tile_constants(const at::Half* h) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+}
+#endif
+
 // ---- Q4_1 in tiles of 8 output rows -------------------------------------------------------
 
 constexpr int kTileRows = 8;
@@ -164,18 +182,12 @@ void tiles(const Tiles& w, const RowsView& x, int n, float* y, int64_t ldy, int6
     const at::Half* wm = w.m + t * w.blocks * kTileRows;
 #if defined(SEQGATE_Q8_ROWS_AVX2)
     alignas(32) float acc[kTileRowGroup * kTileRows];
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < n; ++r) _mm256_store_ps(acc + r * kTileRows, _mm256_setzero_ps());
     for (int64_t b = 0; b < w.blocks; ++b) {
-      const uint8_t* p = wq + b * (kBlock / 2) * kTileRows;
       __m256i lo[4], hi[4];
-      for (int h = 0; h < 4; ++h) {
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
-        lo[h] = _mm256_and_si256(packed, low4);
-        hi[h] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-      }
-      const __m256 d = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b * kTileRows)));
+      nibbles(wq + b * (kBlock / 2) * kTileRows, lo, hi);
+      const __m256 d = tile_constants(wd + b * kTileRows);
       const int8_t* row = x.q + b * kBlock;
       for (int r = 0; r < n; ++r, row += x.in) {
         __m256i sums = _mm256_add_epi16(_mm256_maddubs_epi16(lo[0], broadcast4(row)),
@@ -194,9 +206,8 @@ void tiles(const Tiles& w, const RowsView& x, int n, float* y, int64_t ldy, int6
     for (int r = 0; r < n; ++r) {
       __m256 mins = _mm256_setzero_ps();
       for (int64_t b = 0; b < w.blocks; ++b)
-        mins = _mm256_fmadd_ps(
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + b * kTileRows))),
-            _mm256_set1_ps(x.s[r * x.blocks + b]), mins);
+        mins = _mm256_fmadd_ps(tile_constants(wm + b * kTileRows),
+                               _mm256_set1_ps(x.s[r * x.blocks + b]), mins);
       _mm256_storeu_ps(y + r * ldy + t * kTileRows,
                        _mm256_add_ps(_mm256_load_ps(acc + r * kTileRows), mins));
     }
@@ -246,19 +257,12 @@ void tiles8(const Tiles8& w, const RowsView& x, int n, float* y, int64_t ldy, in
     const at::Half* wd = w.d + t * w.blocks * kTileRows;
 #if defined(SEQGATE_Q8_ROWS_AVX2)
     alignas(32) float acc[kTileRowGroup * kTileRows];
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1),
-                  sixteens = _mm256_set1_epi16(16);
+    const __m256i ones = _mm256_set1_epi16(1), sixteens = _mm256_set1_epi16(16);
     for (int r = 0; r < n; ++r) _mm256_store_ps(acc + r * kTileRows, _mm256_setzero_ps());
     for (int64_t b = 0; b < w.blocks; ++b) {
-      const uint8_t* p = wq + b * kBlock * kTileRows;
       __m256i lo[8], hi[8];
-      for (int g = 0; g < 8; ++g) {
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * g));
-        lo[g] = _mm256_and_si256(packed, low4);
-        hi[g] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-      }
-      const __m256 d = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + b * kTileRows)));
+      nibbles(wq + b * kBlock * kTileRows, lo, hi);
+      const __m256 d = tile_constants(wd + b * kTileRows);
       const int8_t* row = x.q + b * kBlock;
       for (int r = 0; r < n; ++r, row += x.in) {
         __m256i xb = broadcast4(row);
