@@ -15,7 +15,7 @@ import torch
 
 from engine.kv.host_memory import pages_on_write
 from engine.kv.slab_sizing import GROWTH_COLUMNS, RowOwner, claim_columns, reserved_slabs
-from engine.kv.slabs import RowKV, SlabCache, SlabLayer
+from engine.kv.slabs import RowKV, SlabCache, SlabLayer, store_kv
 
 
 class SubBatch:
@@ -220,8 +220,8 @@ class SubBatch:
         for li, layer in enumerate(layers):
             layer.kbuf[i, :, start : end - row.length].zero_()
             layer.vbuf[i, :, start : end - row.length].zero_()
-            layer.kbuf[i, :, end - row.length : end] = row.keys[li]
-            layer.vbuf[i, :, end - row.length : end] = row.values[li]
+            store_kv(layer.kbuf[i, :, end - row.length : end], row.keys[li])
+            store_kv(layer.vbuf[i, :, end - row.length : end], row.values[li])
             layer.rows, layer.start = i + 1, start
             layer._views()
         self.seqs.append(seq)
@@ -289,8 +289,8 @@ def build_sub_batch(seqs: list[RowOwner], sources: list[tuple[SubBatch, int] | R
         for dst, row in fresh:
             kbuf[dst, :, : width - row.length].zero_()
             vbuf[dst, :, : width - row.length].zero_()
-            kbuf[dst, :, width - row.length : width] = row.keys[li]
-            vbuf[dst, :, width - row.length : width] = row.values[li]
+            store_kv(kbuf[dst, :, width - row.length : width], row.keys[li])
+            store_kv(vbuf[dst, :, width - row.length : width], row.values[li])
         layers.append(SlabLayer(kbuf, vbuf, width, rows=len(seqs)))
     return SubBatch(list(seqs), SlabCache(layers), width)
 

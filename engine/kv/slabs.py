@@ -55,12 +55,8 @@ class SlabLayer(DynamicLayer):
         if self.end + n > self.capacity:
             raise RuntimeError(f"slab full ({self.end} + {n} > {self.capacity} columns): "
                                "SubBatch.reserve must run before the forward")
-        if self.dtype == torch.float16 and key_states.dtype != torch.float16:
-            # A narrower KV cache than the model (`kv_cache_dtype`): values past fp16's range
-            # saturate instead of becoming infinities, which would turn the attention to NaN.
-            key_states, value_states = _in_fp16_range(key_states), _in_fp16_range(value_states)
-        self.kbuf[: self.rows, :, self.end : self.end + n] = key_states
-        self.vbuf[: self.rows, :, self.end : self.end + n] = value_states
+        store_kv(self.kbuf[: self.rows, :, self.end : self.end + n], key_states)
+        store_kv(self.vbuf[: self.rows, :, self.end : self.end + n], value_states)
         self.end += n
         self._views()
         return self.keys, self.values
@@ -71,8 +67,13 @@ class SlabLayer(DynamicLayer):
 _FP16_MAX = torch.finfo(torch.float16).max
 
 
-def _in_fp16_range(t: torch.Tensor) -> torch.Tensor:
-    return t.clamp(-_FP16_MAX, _FP16_MAX)
+def store_kv(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy keys or values into a slab's columns. Into an fp16 slab under a wider model (a
+    narrower KV cache, `kv_cache_dtype`) values past fp16's range saturate instead of becoming
+    infinities, which would turn the attention over them to NaN."""
+    if dst.dtype == torch.float16 and src.dtype != torch.float16:
+        src = src.clamp(-_FP16_MAX, _FP16_MAX)
+    dst.copy_(src)
 
 
 class SlabCache(Cache):

@@ -28,9 +28,12 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 if TYPE_CHECKING:
     from engine.model.decode_inputs import DecodeFeed
 
-# Prefix of the names the dispatcher is registered under, one per mask kind (a name is global
-# to the process; what each model's attention runs is kept on its own modules, `_CALL_ATTR`).
+# The names the dispatcher is registered under: one per mask kind, boolean (SDPA's, also for
+# other attentions) or additive (eager's). A name is global to the process, so what each model's
+# attention runs is kept on its own modules (`_CALL_ATTR`). Neither says "sdpa": transformers
+# checks a model's SDPA support for any name that does.
 FUSED_ATTENTION = "seqgate_fused"
+_FUSED_ADDITIVE = "seqgate_fused_additive"
 # Attribute of an attention layer holding the compiled decode kernel it runs
 # (engine.kernels.native).
 DECODE_KERNEL_ATTR = "_seqgate_decode_kernel"
@@ -127,7 +130,7 @@ def install(model: torch.nn.Module) -> bool:
     if not getattr(model, "_supports_attention_backend", False):
         return False
     original = model.config._attn_implementation
-    if original.startswith(FUSED_ATTENTION):
+    if original in (FUSED_ATTENTION, _FUSED_ADDITIVE):
         return True
     if original == "sdpa":
         inner = _sdpa
@@ -135,22 +138,40 @@ def install(model: torch.nn.Module) -> bool:
         inner = _eager(model)
     else:
         inner = ALL_ATTENTION_FUNCTIONS.get_interface(original, None) or _eager(model)
-    mask_kind = original if original in ("sdpa", "eager") else "sdpa"
-    name = f"{FUSED_ATTENTION}_{mask_kind}"
+    additive = original == "eager"
+    name = _FUSED_ADDITIVE if additive else FUSED_ATTENTION
     call = inner if inner is _sdpa else _widening(inner)
     setattr(model, _INNER_ATTR, inner)
     for module in model.modules():
         setattr(module, _CALL_ATTR, call)
-    AttentionInterface.register(name, _dispatch)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[mask_kind])
+    AttentionInterface.register(name, _dispatcher(_module_eager if additive else _plain_sdpa))
+    ALL_MASK_ATTENTION_FUNCTIONS.register(
+        name, ALL_MASK_ATTENTION_FUNCTIONS["eager" if additive else "sdpa"])
     model.set_attn_implementation(name)
     return model.config._attn_implementation == name
 
 
-def _dispatch(module, query, key, value, attention_mask, **kwargs):
+def _dispatcher(default):
     """The registered attention: each group of a packed step through the attention function
-    `install` kept on `module`, or a plain call straight to it."""
-    call = getattr(module, _CALL_ATTR)
+    `install` kept on the attention module, or a plain call straight to it; a module made
+    after `install` (a model built from an installed one's config) takes `default`."""
+    def dispatch(module, query, key, value, attention_mask, **kwargs):
+        call = getattr(module, _CALL_ATTR, None) or default(module)
+        return _grouped(call, module, query, key, value, attention_mask, **kwargs)
+
+    return dispatch
+
+
+def _module_eager(module):
+    """transformers' eager attention of `module`'s model family, widening a narrower KV."""
+    return _widening(_eager(module))
+
+
+def _plain_sdpa(module):
+    return _sdpa
+
+
+def _grouped(call, module, query, key, value, attention_mask, **kwargs):
     if not isinstance(key, GroupedKV):
         return call(module, query, key, value, attention_mask, **kwargs)
     outs = []
@@ -267,5 +288,6 @@ def _kernel_fits(model: torch.nn.Module, kernel, kv_dtype: torch.dtype | None):
 
 
 def _eager(model: torch.nn.Module):
+    """transformers' eager attention of the family `model` (or one of its modules) is of."""
     module = __import__(type(model).__module__, fromlist=["eager_attention_forward"])
     return module.eager_attention_forward

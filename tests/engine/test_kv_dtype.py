@@ -5,6 +5,7 @@ stored."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -121,6 +122,16 @@ def test_an_eager_attention_model_reads_the_fp16_kv_widened(smollm2, make_engine
         [generate_over_fp16_kv(loaded.model, p, 12) for p in prompts]
     with torch.inference_mode():
         assert torch.equal(shared(ids).logits, before)
+    # A model built from an installed one's config (which names the dispatcher) has no
+    # attention of its own kept: it runs the dispatcher's default, SDPA.
+    config = copy.deepcopy(shared.config)
+    config.num_hidden_layers = 2
+    built = type(shared)(config).eval()
+    assert built.config._attn_implementation == packed_forward.FUSED_ATTENTION
+    with torch.inference_mode():
+        got = built(ids).logits
+        built.set_attn_implementation("sdpa")
+        assert torch.equal(got, built(ids).logits)
 
 
 def test_values_past_fp16s_range_saturate_in_an_fp16_kv_cache():

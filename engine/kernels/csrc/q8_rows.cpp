@@ -35,9 +35,9 @@
 // instruction and a widening sum for each, plus its conversion and FMA per output
 // (docs/benchmarks/speed.md).
 //
-// Registered as torch.ops.seqgate.q4x8_q8_linear / q8_q8_linear; the intrinsics are AVX2 (also
-// built into the AVX512 library), other CPUs run the same arithmetic in a scalar loop. Checked in
-// tests/engine/test_lowbit.py.
+// Registered as torch.ops.seqgate.q4x8_q8_linear / q8x8_q8_linear / q8_q8_linear; the intrinsics
+// are AVX2 (also built into the AVX512 library), other CPUs run the same arithmetic in a scalar
+// loop. Checked in tests/engine/test_lowbit.py.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
