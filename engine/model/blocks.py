@@ -57,13 +57,9 @@ def tile_q4(blocks: Blocks) -> Blocks | None:
     nb = cols // BLOCK
     packed = blocks.q.view(out, nb, BLOCK // 2)
     values = torch.cat([packed & 0x0F, packed >> 4], -1)  # [out, blocks, 32] in column order
-    v = values.view(out // TILE, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4)  # tile, block, group, row
+    v = _tiled(values)
     q = (v[:, :, :4] | (v[:, :, 4:] << 4)).reshape(out, cols // 2).contiguous()
-
-    def side_by_side(t: torch.Tensor) -> torch.Tensor:
-        return t.view(out // TILE, TILE, nb).transpose(1, 2).reshape(out, nb).contiguous()
-
-    return Blocks("q4x8", q, side_by_side(blocks.d), side_by_side(blocks.m))
+    return Blocks("q4x8", q, _side_by_side(blocks.d), _side_by_side(blocks.m))
 
 
 def untile_q4(blocks: Blocks) -> Blocks:
@@ -74,11 +70,7 @@ def untile_q4(blocks: Blocks) -> Blocks:
     v = torch.cat([p & 0x0F, p >> 4], 2)  # [tile, block, group of 4 columns, row, column]
     values = v.permute(0, 3, 1, 2, 4).reshape(out, nb, BLOCK)
     q = (values[..., :BLOCK // 2] | (values[..., BLOCK // 2:] << 4)).reshape(out, cols // 2)
-
-    def in_rows(t: torch.Tensor) -> torch.Tensor:
-        return t.view(out // TILE, nb, TILE).transpose(1, 2).reshape(out, nb).contiguous()
-
-    return Blocks("q4", q.contiguous(), in_rows(blocks.d), in_rows(blocks.m))
+    return Blocks("q4", q.contiguous(), _in_rows(blocks.d), _in_rows(blocks.m))
 
 
 def tile_q8(blocks: Blocks) -> Blocks | None:
@@ -89,11 +81,9 @@ def tile_q8(blocks: Blocks) -> Blocks | None:
     out, cols = blocks.q.shape
     if blocks.kind != "q8" or out % TILE:
         return None
-    nb = cols // BLOCK
     shifted = (blocks.q.to(torch.int16) + 128).to(torch.uint8)
-    q = shifted.view(out // TILE, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(out, cols)
-    d = blocks.d.view(out // TILE, TILE, nb).transpose(1, 2).reshape(out, nb)
-    return Blocks("q8x8", q.contiguous(), d.contiguous(), None)
+    q = _tiled(shifted.view(out, cols // BLOCK, BLOCK)).reshape(out, cols)
+    return Blocks("q8x8", q.contiguous(), _side_by_side(blocks.d), None)
 
 
 def untile_q8(blocks: Blocks) -> Blocks:
@@ -102,8 +92,26 @@ def untile_q8(blocks: Blocks) -> Blocks:
     nb = cols // BLOCK
     values = blocks.q.view(out // TILE, nb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(out, cols)
     q = (values.to(torch.int16) - 128).to(torch.int8)
-    d = blocks.d.view(out // TILE, nb, TILE).transpose(1, 2).reshape(out, nb)
-    return Blocks("q8", q.contiguous(), d.contiguous(), None)
+    return Blocks("q8", q.contiguous(), _in_rows(blocks.d), None)
+
+
+def _tiled(values: torch.Tensor) -> torch.Tensor:
+    """Per-block values [out, blocks, 32] in column order as [tile, block, group of 4 columns,
+    row of the tile, column]: the tiles' byte order."""
+    out, nb, _ = values.shape
+    return values.view(out // TILE, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4)
+
+
+def _side_by_side(t: torch.Tensor) -> torch.Tensor:
+    """Per-block constants [out, blocks] with each tile's 8 rows side by side per block."""
+    out, nb = t.shape
+    return t.view(out // TILE, TILE, nb).transpose(1, 2).reshape(out, nb).contiguous()
+
+
+def _in_rows(t: torch.Tensor) -> torch.Tensor:
+    """`_side_by_side`'s constants back in rows."""
+    out, nb = t.shape
+    return t.view(out // TILE, nb, TILE).transpose(1, 2).reshape(out, nb).contiguous()
 
 
 def _q4(weight: torch.Tensor, exact: bool) -> Blocks | None:
