@@ -78,11 +78,24 @@ Rows round_rows(const at::Tensor& x) {
   float* dp = r.d.data_ptr<float>();
   float* sp = r.s.data_ptr<float>();
   int32_t* qsp = r.qs.data_ptr<int32_t>();
-  for (int64_t b = 0; b < n * blocks; ++b) {
+  // Blocks are independent: the threads take whole rows of them.
+  at::parallel_for(0, n * blocks, 16 * blocks, [&](int64_t begin, int64_t end) {
+  for (int64_t b = begin; b < end; ++b) {
     const float* v = xp + b * kBlock;
     int8_t* q = qp + b * kBlock;
     float amax = 0.f;
+#if defined(SEQGATE_Q8_ROWS_AVX2)
+    // max(|v|, m) keeps m where v is NaN, as std::max(m, |v|) does in the loop below.
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 m = _mm256_setzero_ps();
+    for (int k = 0; k < 4; ++k)
+      m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(v + 8 * k), magnitude), m);
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+#else
     for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+#endif
     const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
     int sum = 0;
 #if defined(SEQGATE_Q8_ROWS_AVX2)
@@ -111,6 +124,7 @@ Rows round_rows(const at::Tensor& x) {
     sp[b] = d * static_cast<float>(sum);
     qsp[b] = sum;
   }
+  });
   return r;
 }
 
@@ -174,6 +188,28 @@ struct Tiles {
 // `acc` between blocks) and m * sx in another, added at the end: the same order whatever n is.
 constexpr int kTileRowGroup = 64;
 
+#if defined(SEQGATE_Q8_ROWS_AVX2)
+constexpr int kMinRows = 8;
+
+// Rows [r0, r0 + R) of tile t: the mins' sum (m * sx, block by block) added to the scaled dots
+// in `acc`, stored to y.
+template <int R>
+inline void mins(const Tiles& w, const RowsView& x, const at::Half* wm, int r0, const float* acc,
+                 float* y, int64_t ldy, int64_t t) {
+  __m256 sum[R];
+  for (int i = 0; i < R; ++i) sum[i] = _mm256_setzero_ps();
+  const float* s = x.s + r0 * x.blocks;
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    const __m256 m = tile_constants(wm + b * kTileRows);
+    for (int i = 0; i < R; ++i)
+      sum[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(s[i * x.blocks + b]), sum[i]);
+  }
+  for (int i = 0; i < R; ++i)
+    _mm256_storeu_ps(y + (r0 + i) * ldy + t * kTileRows,
+                     _mm256_add_ps(_mm256_load_ps(acc + (r0 + i) * kTileRows), sum[i]));
+}
+#endif
+
 void tiles(const Tiles& w, const RowsView& x, int n, float* y, int64_t ldy, int64_t begin,
            int64_t end) {
   for (int64_t t = begin; t < end; ++t) {
@@ -202,15 +238,11 @@ void tiles(const Tiles& w, const RowsView& x, int n, float* y, int64_t ldy, int6
                         _mm256_fmadd_ps(dot, scale, _mm256_load_ps(acc + r * kTileRows)));
       }
     }
-    // The mins in a pass of their own, a row at a time in one register.
-    for (int r = 0; r < n; ++r) {
-      __m256 mins = _mm256_setzero_ps();
-      for (int64_t b = 0; b < w.blocks; ++b)
-        mins = _mm256_fmadd_ps(tile_constants(wm + b * kTileRows),
-                               _mm256_set1_ps(x.s[r * x.blocks + b]), mins);
-      _mm256_storeu_ps(y + r * ldy + t * kTileRows,
-                       _mm256_add_ps(_mm256_load_ps(acc + r * kTileRows), mins));
-    }
+    // The mins in a pass of their own, each row's in one register, 8 rows side by side (a
+    // row's sum is a chain of FMAs, one block after another: 8 chains keep the FMA unit busy).
+    int r = 0;
+    for (; r + kMinRows <= n; r += kMinRows) mins<kMinRows>(w, x, wm, r, acc, y, ldy, t);
+    for (; r < n; ++r) mins<1>(w, x, wm, r, acc, y, ldy, t);
 #else
     for (int r = 0; r < n; ++r) {
       const int8_t* row = x.q + r * x.in;
