@@ -58,18 +58,30 @@ inline int shown_in(const bool* mr, int64_t c0, int n) {
   return shown;
 }
 
-// The start of a block of kLanes columns from `c0` that shows `shown` of them: none shown, its
-// scores are kHidden and false is returned (nothing to read); else the keys two blocks ahead
-// are fetched into the cache.
+// A task's keys, values and mask row (null keys: none). Each task fetches the next one's into the
+// cache as it goes, keys while it dots its own, values while it weighs its own: every task's rows
+// are streams of their own in memory, and fetched only as they are read, the reads waited on the
+// memory (a step at 32 rows and 320 columns took twice its time with the KV in cache).
+template <typename T>
+struct Next {
+  const T* k = nullptr;
+  const T* v = nullptr;
+  const bool* mask = nullptr;
+};
+
+// The start of a block of kLanes columns from `c0` that shows `shown` of them: the next task's
+// keys of these columns are fetched into the cache (L2: this task's rows keep L1); none shown,
+// its scores are kHidden and false is returned (nothing to read).
 template <typename T, int D, int G>
-inline bool begin_block(const Problem& p, const T* kp, int64_t c0, int shown, float* s,
-                        int64_t padded) {
+inline bool begin_block(const Problem& p, const Next<T>& next, int64_t c0, int n, int shown,
+                        float* s, int64_t padded) {
+  if (next.k)
+    for (int i = 0; i < n; ++i)
+      if (!next.mask || next.mask[c0 + i]) prefetch_row<T, D, 2>(next.k + (c0 + i) * p.k_col);
   if (shown == 0) {
     for (int g = 0; g < G; ++g) Vec(kHidden).store(s + g * padded + c0);
     return false;
   }
-  for (int i = 0; i < kLanes; ++i)
-    prefetch_row<T, D>(kp + std::min<int64_t>(c0 + 2 * kLanes + i, p.columns - 1) * p.k_col);
   return true;
 }
 
@@ -91,18 +103,27 @@ inline void finish_block(float* parts, float* s, int64_t padded, int64_t c0, int
   }
 }
 
+// Keys dotted at once: as many (a divisor of kLanes) as leave a register for the key and one for
+// the query beside the accumulators. Each query vector loaded serves them all, and fewer loads
+// a key is what the dot products were waiting on.
+constexpr int keys_at_once(int groups) {
+  int keys = kLanes;
+  while (keys > 1 && keys * groups > kRegs - 1) keys /= 2;
+  return keys;
+}
+
 // Scores of the group's queries (qf) against every key of one (row, KV head) into s, hidden
 // keys and the padding after the last as kHidden; returns each query's maximum.
 template <typename T, int D, int G>
-void scores(const Problem& p, const T* kp, const bool* mr, const float* qf, float* s,
-            float* parts, int64_t padded, float* mx) {
-  constexpr int kKeys = G >= 5 ? 1 : G >= 3 ? 2 : G == 2 ? 4 : 8;  // keys dotted at once
+void scores(const Problem& p, const T* kp, const bool* mr, const Next<T>& next, const float* qf,
+            float* s, float* parts, int64_t padded, float* mx) {
+  constexpr int kKeys = keys_at_once(G);
   Vecs<G> vmax;
   for (int g = 0; g < G; ++g) vmax[g] = Vec(kHidden);
   for (int64_t c0 = 0; c0 < p.columns; c0 += kLanes) {
     const int n = static_cast<int>(std::min<int64_t>(kLanes, p.columns - c0));
     const int shown = shown_in(mr, c0, n);
-    if (!begin_block<T, D, G>(p, kp, c0, shown, s, padded)) continue;
+    if (!begin_block<T, D, G>(p, next, c0, n, shown, s, padded)) continue;
     for (int i = 0; i < n; i += kKeys) {
       Vecs<kKeys * G> acc;
       const T* key[kKeys];  // past the last column: the last again, its scores discarded
@@ -138,8 +159,8 @@ const bool kBf16Dot = __builtin_cpu_supports("avx512bf16");
 // it is (bf16) and the scale applied to its sums.
 template <int D, int G>
 __attribute__((target("avx512bf16"))) void scores_bf16_dot(
-    const Problem& p, const at::BFloat16* kp, const bool* mr, const at::BFloat16* q, float* s,
-    float* parts, int64_t padded, float* mx) {
+    const Problem& p, const at::BFloat16* kp, const bool* mr, const Next<at::BFloat16>& next,
+    const at::BFloat16* q, float* s, float* parts, int64_t padded, float* mx) {
   constexpr int kKeys = G >= 5 ? 1 : G >= 3 ? 2 : G == 2 ? 4 : 8;
   constexpr int kPairs = D / 32;  // a register holds 32 bf16
   static_assert(kLanes == 16 && D % 32 == 0);
@@ -153,7 +174,7 @@ __attribute__((target("avx512bf16"))) void scores_bf16_dot(
   for (int64_t c0 = 0; c0 < p.columns; c0 += kLanes) {
     const int n = static_cast<int>(std::min<int64_t>(kLanes, p.columns - c0));
     const int shown = shown_in(mr, c0, n);
-    if (!begin_block<at::BFloat16, D, G>(p, kp, c0, shown, s, padded)) continue;
+    if (!begin_block<at::BFloat16, D, G>(p, next, c0, n, shown, s, padded)) continue;
     for (int i = 0; i < n; i += kKeys) {
       __m512 acc[kKeys * G];
       const at::BFloat16* key[kKeys];
@@ -207,10 +228,10 @@ constexpr int divisor_upto(int n, int most) {
 // passes of as many as the registers hold (accumulators for each query, the values), over
 // chunks of columns whose values stay in L1 from one pass to the next.
 template <typename T, int D, int G>
-void weighted_values(const Problem& p, const T* vp, const bool* mr, const float* w,
-                     int64_t padded, const float* inv, float* out) {
+void weighted_values(const Problem& p, const T* vp, const bool* mr, const Next<T>& next,
+                     const float* w, int64_t padded, const float* inv, float* out) {
   constexpr int kVecs = D / kLanes;
-  constexpr int kPass = divisor_upto(kVecs, kRegs / (G + 1));
+  constexpr int kPass = divisor_upto(kVecs, (kRegs - G) / G);  // the G weights stay in registers
   constexpr int64_t kChunk = 16384 / (D * sizeof(T));  // 16 KB of values
   for (int i = 0; i < G * D; i += kLanes) Vec(0.f).store(out + i);
   for (int64_t c0 = 0; c0 < p.columns; c0 += kChunk) {
@@ -221,15 +242,16 @@ void weighted_values(const Problem& p, const T* vp, const bool* mr, const float*
         for (int j = 0; j < kPass; ++j)
           acc[g * kPass + j] = Vec::loadu(out + g * D + (j0 + j) * kLanes);
       for (int64_t c = c0; c < c1; ++c) {
+        if (j0 == 0 && next.v && (!next.mask || next.mask[c]))
+          prefetch_row<T, D, 2>(next.v + c * p.v_col);
         if (mr && !mr[c]) continue;
         const T* vr = vp + c * p.v_col;
-        if (j0 == 0) prefetch_row<T, D>(vp + std::min(c + 16, p.columns - 1) * p.v_col);
-        Vecs<kPass> value;
-        for (int j = 0; j < kPass; ++j) value[j] = load(vr + (j0 + j) * kLanes);
-        for (int g = 0; g < G; ++g) {
-          const Vec wc(w[g * padded + c]);
-          for (int j = 0; j < kPass; ++j)
-            acc[g * kPass + j] = at::vec::fmadd(wc, value[j], acc[g * kPass + j]);
+        Vecs<G> wc;
+        for (int g = 0; g < G; ++g) wc[g] = Vec(w[g * padded + c]);
+        for (int j = 0; j < kPass; ++j) {
+          const Vec value = load(vr + (j0 + j) * kLanes);
+          for (int g = 0; g < G; ++g)
+            acc[g * kPass + j] = at::vec::fmadd(wc[g], value, acc[g * kPass + j]);
         }
       }
       for (int g = 0; g < G; ++g)
@@ -245,14 +267,23 @@ void weighted_values(const Problem& p, const T* vp, const bool* mr, const float*
 // query), a block's dot products and the output in fp32.
 // T: the query's and output's type; KV: the keys' and values' (T, or float16 under an fp32 query:
 // a 16-bit KV cache halves the bytes a step reads).
+template <typename KV>
+Next<KV> rows_of(const Problem& p, int64_t task) {
+  const int64_t r = task / p.kv_heads, h = task % p.kv_heads;
+  return {static_cast<const KV*>(p.k) + r * p.k_row + h * p.k_head,
+          static_cast<const KV*>(p.v) + r * p.v_row + h * p.v_head,
+          p.mask ? p.mask + r * p.mask_row : nullptr};
+}
+
 template <typename T, typename KV, int D, int G>
-void attend(const Problem& p, int64_t task, int64_t padded, float* scratch) {
+void attend(const Problem& p, int64_t task, const Next<KV>& next, int64_t padded,
+            float* scratch) {
   const int64_t r = task / p.kv_heads, h = task % p.kv_heads;
   float *qf = scratch, *s = qf + G * D, *parts = s + G * padded, *of = parts + G * kLanes * kLanes;
   const T* q = static_cast<const T*>(p.q) + r * p.q_row + h * G * p.q_head;
-  const KV* kp = static_cast<const KV*>(p.k) + r * p.k_row + h * p.k_head;
-  const KV* vp = static_cast<const KV*>(p.v) + r * p.v_row + h * p.v_head;
-  const bool* mr = p.mask ? p.mask + r * p.mask_row : nullptr;
+  const Next<KV> own = rows_of<KV>(p, task);
+  const KV *kp = own.k, *vp = own.v;
+  const bool* mr = own.mask;
   T* out = static_cast<T*>(p.out) + (r * p.kv_heads + h) * G * D;
   float mx[G], inv[G];
   bool dotted = false;
@@ -260,7 +291,7 @@ void attend(const Problem& p, int64_t task, int64_t padded, float* scratch) {
   if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<KV, at::BFloat16> &&
                 D % 32 == 0) {
     if (kBf16Dot) {
-      scores_bf16_dot<D, G>(p, kp, mr, q, s, parts, padded, mx);
+      scores_bf16_dot<D, G>(p, kp, mr, next, q, s, parts, padded, mx);
       dotted = true;
     }
   }
@@ -269,13 +300,13 @@ void attend(const Problem& p, int64_t task, int64_t padded, float* scratch) {
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < D; j += kLanes)
         (load(q + g * p.q_head + j) * Vec(p.scale)).store(qf + g * D + j);
-    scores<KV, D, G>(p, kp, mr, qf, s, parts, padded, mx);
+    scores<KV, D, G>(p, kp, mr, next, qf, s, parts, padded, mx);
   }
   softmax<G>(s, padded, mx, inv);
   if constexpr (std::is_same_v<T, float>) {
-    weighted_values<KV, D, G>(p, vp, mr, s, padded, inv, out);
+    weighted_values<KV, D, G>(p, vp, mr, next, s, padded, inv, out);
   } else {
-    weighted_values<KV, D, G>(p, vp, mr, s, padded, inv, of);
+    weighted_values<KV, D, G>(p, vp, mr, next, s, padded, inv, of);
     at::vec::convert(of, out, G * D);
   }
 }
@@ -285,7 +316,14 @@ void run(const Problem& p, int64_t tasks) {
   const int64_t padded = (p.columns + kLanes - 1) / kLanes * kLanes;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(G * (2 * D + padded + kLanes * kLanes));
-    for (int64_t t = begin; t < end; ++t) attend<T, KV, D, G>(p, t, padded, scratch.data());
+    const Next<KV> first = rows_of<KV>(p, begin);  // nothing fetched it: its first rows now
+    for (int64_t c = 0; c < std::min<int64_t>(p.columns, 4 * kLanes); ++c) {
+      prefetch_row<KV, D>(first.k + c * p.k_col);
+      prefetch_row<KV, D>(first.v + c * p.v_col);
+    }
+    for (int64_t t = begin; t < end; ++t)
+      attend<T, KV, D, G>(p, t, t + 1 < end ? rows_of<KV>(p, t + 1) : Next<KV>{}, padded,
+                          scratch.data());
   });
 }
 

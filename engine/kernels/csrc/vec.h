@@ -82,10 +82,10 @@ inline void rotate_head(const In* from, T* to, const T* cos, const T* signed_sin
 inline Vec silu(const Vec& g) { return g / (Vec(1.f) + g.neg().exp()); }
 
 // Reads a row of D elements ahead into the cache.
-template <typename T, int D>
+template <typename T, int D, int Locality = 3>
 inline void prefetch_row(const T* row) {
   for (int i = 0; i < D * static_cast<int>(sizeof(T)); i += 64)
-    __builtin_prefetch(reinterpret_cast<const char*>(row) + i);
+    __builtin_prefetch(reinterpret_cast<const char*>(row) + i, 0, Locality);
 }
 
 // Lane i of the result is the sum of v[i]'s lanes (v, kLanes vectors, is overwritten): each
