@@ -289,18 +289,35 @@ void tiles8(const Tiles8& w, const RowsView& x, int n, float* y, int64_t ldy, in
     const at::Half* wd = w.d + t * w.blocks * kTileRows;
 #if defined(SEQGATE_Q8_ROWS_AVX2)
     alignas(32) float acc[kTileRowGroup * kTileRows];
+    // Each row's int16 sums of the block's first 16 columns, between the two halves.
+    alignas(32) __m256i half_sums[kTileRowGroup * 2];
     const __m256i ones = _mm256_set1_epi16(1), sixteens = _mm256_set1_epi16(16);
     for (int r = 0; r < n; ++r) _mm256_store_ps(acc + r * kTileRows, _mm256_setzero_ps());
     for (int64_t b = 0; b < w.blocks; ++b) {
-      __m256i lo[8], hi[8];
+      // A block's 8 vectors split into 16 would not stay in the 16 registers: half of them, 8,
+      // do, and each row's sums of the first half wait in memory for the second.
+      __m256i lo[4], hi[4];
       nibbles(wq + b * kBlock * kTileRows, lo, hi);
-      const __m256 d = tile_constants(wd + b * kTileRows);
       const int8_t* row = x.q + b * kBlock;
       for (int r = 0; r < n; ++r, row += x.in) {
         __m256i xb = broadcast4(row);
         __m256i low = _mm256_maddubs_epi16(lo[0], xb), high = _mm256_maddubs_epi16(hi[0], xb);
-        for (int g = 1; g < 8; ++g) {
+        for (int g = 1; g < 4; ++g) {
           xb = broadcast4(row + 4 * g);
+          low = _mm256_add_epi16(low, _mm256_maddubs_epi16(lo[g], xb));
+          high = _mm256_add_epi16(high, _mm256_maddubs_epi16(hi[g], xb));
+        }
+        _mm256_store_si256(half_sums + 2 * r, low);
+        _mm256_store_si256(half_sums + 2 * r + 1, high);
+      }
+      nibbles(wq + b * kBlock * kTileRows + 4 * 32, lo, hi);
+      const __m256 d = tile_constants(wd + b * kTileRows);
+      row = x.q + b * kBlock + 16;
+      for (int r = 0; r < n; ++r, row += x.in) {
+        __m256i low = _mm256_load_si256(half_sums + 2 * r);
+        __m256i high = _mm256_load_si256(half_sums + 2 * r + 1);
+        for (int g = 0; g < 4; ++g) {
+          const __m256i xb = broadcast4(row + 4 * g);
           low = _mm256_add_epi16(low, _mm256_maddubs_epi16(lo[g], xb));
           high = _mm256_add_epi16(high, _mm256_maddubs_epi16(hi[g], xb));
         }
