@@ -78,7 +78,7 @@ Rows round_rows(const at::Tensor& x) {
   float* dp = r.d.data_ptr<float>();
   float* sp = r.s.data_ptr<float>();
   int32_t* qsp = r.qs.data_ptr<int32_t>();
-  // Blocks are independent: the threads take whole rows of them.
+  // Blocks are independent: the threads take runs of them, each at least 16 rows' worth.
   at::parallel_for(0, n * blocks, 16 * blocks, [&](int64_t begin, int64_t end) {
   for (int64_t b = begin; b < end; ++b) {
     const float* v = xp + b * kBlock;
