@@ -80,50 +80,50 @@ Rows round_rows(const at::Tensor& x) {
   int32_t* qsp = r.qs.data_ptr<int32_t>();
   // Blocks are independent: the threads take runs of them, each at least 16 rows' worth.
   at::parallel_for(0, n * blocks, 16 * blocks, [&](int64_t begin, int64_t end) {
-  for (int64_t b = begin; b < end; ++b) {
-    const float* v = xp + b * kBlock;
-    int8_t* q = qp + b * kBlock;
-    float amax = 0.f;
+    for (int64_t b = begin; b < end; ++b) {
+      const float* v = xp + b * kBlock;
+      int8_t* q = qp + b * kBlock;
+      float amax = 0.f;
 #if defined(SEQGATE_Q8_ROWS_AVX2)
-    // max(|v|, m) keeps m where v is NaN, as std::max(m, |v|) does in the loop below.
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    __m256 m = _mm256_setzero_ps();
-    for (int k = 0; k < 4; ++k)
-      m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(v + 8 * k), magnitude), m);
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+      // max(|v|, m) keeps m where v is NaN, as std::max(m, |v|) does in the loop below.
+      const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+      __m256 m = _mm256_setzero_ps();
+      for (int k = 0; k < 4; ++k)
+        m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(v + 8 * k), magnitude), m);
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
 #else
-    for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
 #endif
-    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-    int sum = 0;
+      const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+      int sum = 0;
 #if defined(SEQGATE_Q8_ROWS_AVX2)
-    const __m256 scale = _mm256_set1_ps(id);
-    __m256i i[4];
-    for (int k = 0; k < 4; ++k)  // rounds to nearest even, as std::nearbyint below
-      i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * k), scale));
-    const __m256i sums = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]),
-                                          _mm256_add_epi32(i[2], i[3]));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
-    s4 = _mm_hadd_epi32(s4, s4);
-    sum = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
-    // int32 -> int16 -> int8 packs within 128-bit lanes; the permute restores column order.
-    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]),
-                                              _mm256_packs_epi32(i[2], i[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
-                        _mm256_permutevar8x32_epi32(packed,
-                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      const __m256 scale = _mm256_set1_ps(id);
+      __m256i i[4];
+      for (int k = 0; k < 4; ++k)  // rounds to nearest even, as std::nearbyint below
+        i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * k), scale));
+      const __m256i sums = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]),
+                                            _mm256_add_epi32(i[2], i[3]));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+      s4 = _mm_hadd_epi32(s4, s4);
+      sum = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+      // int32 -> int16 -> int8 packs within 128-bit lanes; the permute restores column order.
+      const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]),
+                                                _mm256_packs_epi32(i[2], i[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                          _mm256_permutevar8x32_epi32(packed,
+                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 #else
-    for (int j = 0; j < kBlock; ++j) {
-      q[j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
-      sum += q[j];
+      for (int j = 0; j < kBlock; ++j) {
+        q[j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
+        sum += q[j];
+      }
+#endif
+      dp[b] = d;
+      sp[b] = d * static_cast<float>(sum);
+      qsp[b] = sum;
     }
-#endif
-    dp[b] = d;
-    sp[b] = d * static_cast<float>(sum);
-    qsp[b] = sum;
-  }
   });
   return r;
 }
