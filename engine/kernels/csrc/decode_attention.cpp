@@ -70,15 +70,21 @@ struct Next {
   const bool* mask = nullptr;
 };
 
+// Fetches into the cache (Locality: __builtin_prefetch's) the rows [c0, c1) of `rows` (a task's
+// keys or values, `stride` elements apart) that `mask` shows (null: all).
+template <typename T, int D, int Locality>
+inline void fetch_shown(const T* rows, int64_t stride, const bool* mask, int64_t c0, int64_t c1) {
+  for (int64_t c = c0; c < c1; ++c)
+    if (!mask || mask[c]) prefetch_row<T, D, Locality>(rows + c * stride);
+}
+
 // The start of a block of kLanes columns from `c0` that shows `shown` of them: the next task's
 // keys of these columns are fetched into the cache (L2: this task's rows keep L1); none shown,
 // its scores are kHidden and false is returned (nothing to read).
 template <typename T, int D, int G>
 inline bool begin_block(const Problem& p, const Next<T>& next, int64_t c0, int n, int shown,
                         float* s, int64_t padded) {
-  if (next.k)
-    for (int i = 0; i < n; ++i)
-      if (!next.mask || next.mask[c0 + i]) prefetch_row<T, D, 2>(next.k + (c0 + i) * p.k_col);
+  if (next.k) fetch_shown<T, D, 2>(next.k, p.k_col, next.mask, c0, c0 + n);
   if (shown == 0) {
     for (int g = 0; g < G; ++g) Vec(kHidden).store(s + g * padded + c0);
     return false;
@@ -246,8 +252,7 @@ void weighted_values(const Problem& p, const T* vp, const bool* mr, const Next<T
         for (int j = 0; j < kPass; ++j)
           acc[g * kPass + j] = Vec::loadu(out + g * D + (j0 + j) * kLanes);
       for (int64_t c = c0; c < c1; ++c) {
-        if (j0 == 0 && next.v && (!next.mask || next.mask[c]))
-          prefetch_row<T, D, 2>(next.v + c * p.v_col);
+        if (j0 == 0 && next.v) fetch_shown<T, D, 2>(next.v, p.v_col, next.mask, c, c + 1);
         if (mr && !mr[c]) continue;
         const T* vr = vp + c * p.v_col;
         Vecs<G> wc;
@@ -280,7 +285,6 @@ Next<KV> rows_of(const Problem& p, int64_t task) {
 // query), a block's dot products and the output in fp32.
 // T: the query's and output's type; KV: the keys' and values' (T, or float16 under an fp32 query:
 // a 16-bit KV cache halves the bytes a step reads).
-
 template <typename T, typename KV, int D, int G>
 void attend(const Problem& p, int64_t task, const Next<KV>& next, int64_t padded,
             float* scratch) {
@@ -323,11 +327,9 @@ void run(const Problem& p, int64_t tasks) {
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(G * (2 * D + padded + kLanes * kLanes));
     const Next<KV> first = rows_of<KV>(p, begin);  // nothing fetched it: its first rows now
-    for (int64_t c = 0; c < std::min<int64_t>(p.columns, 32); ++c)
-      if (!first.mask || first.mask[c]) {
-        prefetch_row<KV, D>(first.k + c * p.k_col);
-        prefetch_row<KV, D>(first.v + c * p.v_col);
-      }
+    const int64_t ahead = std::min<int64_t>(p.columns, 32);
+    fetch_shown<KV, D, 3>(first.k, p.k_col, first.mask, 0, ahead);
+    fetch_shown<KV, D, 3>(first.v, p.v_col, first.mask, 0, ahead);
     for (int64_t t = begin; t < end; ++t)
       attend<T, KV, D, G>(p, t, t + 1 < end ? rows_of<KV>(p, t + 1) : Next<KV>{}, padded,
                           scratch.data());
