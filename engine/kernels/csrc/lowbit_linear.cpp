@@ -289,15 +289,16 @@ void rebuild(const Weights& w, int64_t o, int n, int64_t end, float* tile) {
   }
 }
 
-// y[r0 .. r0 + NV * kLanes, o .. o + kOuts) from the rebuilt tile and xt (row stride ldt).
+// y[r0 .. r0 + NV * kLanes, o .. o + kOuts) from the rebuilt tile and the input rows' panel
+// `xp` ([in, NV * kLanes], the rows transposed).
 template <int NV>
-void outer(const float* tile, int64_t in, const float* xt, int64_t ldt, int64_t r0,
-           int64_t rows, float* y, int64_t ldy, int64_t o, int outs) {
+void outer(const float* tile, int64_t in, const float* xp, int64_t r0, int64_t rows, float* y,
+           int64_t ldy, int64_t o, int outs) {
   Vecs<kOuts * NV> acc;
   for (int i = 0; i < kOuts * NV; ++i) acc[i] = Vec(0.f);
   for (int64_t k = 0; k < in; ++k) {
     Vec xv[NV];
-    for (int v = 0; v < NV; ++v) xv[v] = Vec::loadu(xt + k * ldt + r0 + v * kLanes);
+    for (int v = 0; v < NV; ++v) xv[v] = Vec::loadu(xp + (k * NV + v) * kLanes);
     for (int i = 0; i < kOuts; ++i) {
       const Vec wk(tile[i * in + k]);
       for (int v = 0; v < NV; ++v) acc[i * NV + v] = at::vec::fmadd(wk, xv[v], acc[i * NV + v]);
@@ -312,10 +313,41 @@ void outer(const float* tile, int64_t in, const float* xt, int64_t ldt, int64_t 
     }
 }
 
+// The input rows transposed into panels of kPanel rows (the last one kLanes where that is all
+// that is left), each panel [in, its rows] and zero past the last row: `outer` then reads
+// each panel from one contiguous stream, where one [in, all rows] matrix made it step over
+// the other rows' columns (a stride that, at 256 rows and 1,536 columns, maps a panel onto a
+// sixteenth of the L2's sets).
+constexpr int64_t kPanel = 2 * kLanes;
+
+at::Tensor panels(const at::Tensor& x) {
+  const int64_t n = x.size(0), in = x.size(1), ldx = x.stride(0);
+  const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  at::Tensor xt = at::empty({padded * in}, x.options());
+  const float* src = x.data_ptr<float>();
+  float* dst = xt.data_ptr<float>();
+  at::parallel_for(0, (padded + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t r0 = p * kPanel, width = std::min(kPanel, padded - r0);
+      float* panel = dst + r0 * in;
+      for (int64_t r = 0; r < width; ++r) {
+        if (r0 + r >= n) {
+          for (int64_t k = 0; k < in; ++k) panel[k * width + r] = 0.f;
+          continue;
+        }
+        const float* row = src + (r0 + r) * ldx;
+        for (int64_t k = 0; k < in; ++k) panel[k * width + r] = row[k];
+      }
+    }
+  });
+  return xt;
+}
+
 template <Kind K>
-void many_rows(const Weights& w, const float* xt, int64_t ldt, int64_t rows, float* y,
-               int64_t ldy, int64_t begin, int64_t end) {
+void many_rows(const Weights& w, const float* xt, int64_t rows, float* y, int64_t ldy,
+               int64_t begin, int64_t end) {
   const int64_t in = w.blocks * kBlock;
+  const int64_t padded = (rows + kLanes - 1) / kLanes * kLanes;
   std::vector<float> tile(static_cast<size_t>(kOuts * in));
   for (int64_t o = begin; o < end; o += kOuts) {
     const int outs = static_cast<int>(std::min<int64_t>(kOuts, end - o));
@@ -323,10 +355,9 @@ void many_rows(const Weights& w, const float* xt, int64_t ldt, int64_t rows, flo
     if (outs < kOuts)  // rows past the layer's last multiply zeros, their sums unused
       std::fill(tile.begin() + outs * in, tile.end(), 0.f);
     int64_t r0 = 0;
-    for (; r0 + 2 * kLanes <= ldt; r0 += 2 * kLanes)
-      outer<2>(tile.data(), in, xt, ldt, r0, rows, y, ldy, o, outs);
-    for (; r0 < ldt; r0 += kLanes)
-      outer<1>(tile.data(), in, xt, ldt, r0, rows, y, ldy, o, outs);
+    for (; r0 + kPanel <= padded; r0 += kPanel)
+      outer<2>(tile.data(), in, xt + r0 * in, r0, rows, y, ldy, o, outs);
+    if (r0 < padded) outer<1>(tile.data(), in, xt + r0 * in, r0, rows, y, ldy, o, outs);
   }
 }
 
@@ -362,13 +393,10 @@ at::Tensor linear(const at::Tensor& input, const Weights& w, int64_t out) {
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0), n = x.size(0);
   if (n >= kManyRows) {
-    // x transposed, rows padded with zeros to whole vectors.
-    const int64_t ldt = (n + kLanes - 1) / kLanes * kLanes, in = x.size(1);
-    at::Tensor xt = at::zeros({in, ldt}, x.options());
-    xt.narrow(1, 0, n).copy_(x.t());
+    const at::Tensor xt = panels(x);
     const float* tp = xt.data_ptr<float>();
     at::parallel_for(0, (out + kOuts - 1) / kOuts, 1, [&](int64_t begin, int64_t end) {
-      many_rows<K>(w, tp, ldt, n, yp, out, begin * kOuts, std::min(end * kOuts, out));
+      many_rows<K>(w, tp, n, yp, out, begin * kOuts, std::min(end * kOuts, out));
     });
     return y;
   }
