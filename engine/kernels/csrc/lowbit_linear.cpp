@@ -330,13 +330,17 @@ at::Tensor panels(const at::Tensor& x) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t r0 = p * kPanel, width = std::min(kPanel, padded - r0);
       float* panel = dst + r0 * in;
-      for (int64_t r = 0; r < width; ++r) {
-        if (r0 + r >= n) {
-          for (int64_t k = 0; k < in; ++k) panel[k * width + r] = 0.f;
+      for (int64_t r = 0; r < width; r += 8) {
+        float* dst8 = panel + r;
+        if (r0 + r + 8 <= n) {
+          const float* src8 = src + (r0 + r) * ldx;
+          for (int64_t k = 0; k < in; k += 8)
+            at::vec::transpose_mxn<float, 8, 8>(src8 + k, ldx, dst8 + k * width, width);
           continue;
         }
-        const float* row = src + (r0 + r) * ldx;
-        for (int64_t k = 0; k < in; ++k) panel[k * width + r] = row[k];
+        for (int64_t k = 0; k < in; ++k)
+          for (int64_t i = 0; i < 8; ++i)
+            dst8[k * width + i] = r0 + r + i < n ? src[(r0 + r + i) * ldx + k] : 0.f;
       }
     }
   });
