@@ -270,8 +270,8 @@ void rows_any(int n, const Weights& w, const float* x, int64_t ldx, float* y, in
 }
 
 // Many rows: the layer as a matrix product. A tile of kOuts output rows is rebuilt once into
-// fp32 (`tile`, [kOuts, in]), then multiplied by the input transposed (`xt`, [in, rows padded to
-// whole vectors]): for each column k, each output's weight is broadcast and multiplied into
+// fp32 (`tile`, [kOuts, in]), then multiplied by the input transposed in panels of rows (`panels`
+// below): for each column k, each output's weight is broadcast and multiplied into
 // NV vectors of rows, so every output element is one running sum over k in one lane and no
 // sums across lanes are needed; kOuts * NV accumulators stay in registers.
 constexpr int kOuts = 6;
