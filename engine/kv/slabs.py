@@ -71,9 +71,11 @@ def store_kv(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy keys or values into a slab's columns. Into an fp16 slab under a wider model (a
     narrower KV cache, `kv_cache_dtype`) values past fp16's range saturate instead of becoming
     infinities, which would turn the attention over them to NaN."""
-    if dst.dtype == torch.float16 and src.dtype != torch.float16:
-        src = src.clamp(-_FP16_MAX, _FP16_MAX)
     dst.copy_(src)
+    if dst.dtype == torch.float16 and src.dtype != torch.float16:
+        # Clamped after the copy, in place: only values past fp16's largest finite one became
+        # infinities, so this stores what clamping a wider temporary first did, without it.
+        dst.clamp_(-_FP16_MAX, _FP16_MAX)
 
 
 class SlabCache(Cache):
