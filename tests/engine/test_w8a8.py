@@ -198,9 +198,10 @@ def aten_int8_sums_exact() -> bool:
 
 
 def test_int_mm_sums_are_exact_where_the_library_multiplies_through_onednn(ops):
-    if ops.int8_product_kind() != "onednn":
-        pytest.skip("no VNNI or AMX here (or oneDNN capped below it)")
-    assert aten_int8_sums_exact()
+    """On every host, not only where the library took oneDNN's product: which one it takes on
+    a host whose sums are exact is decided by timing the two at start, so a check that ran
+    only after that choice ran or skipped by chance on a noisy machine."""
+    assert ops.int8_product_kind() != "onednn" or aten_int8_sums_exact()
 
 
 _WIDENED = """
