@@ -313,16 +313,15 @@ void outer(const float* tile, int64_t in, const float* xp, int64_t r0, int64_t r
     }
 }
 
-// The input rows transposed into panels of kPanel rows (the last one kLanes where that is all
-// that is left), each panel [in, its rows] and zero past the last row: `outer` then reads
-// each panel from one contiguous stream, where one [in, all rows] matrix made it step over
-// the other rows' columns (a stride that, at 256 rows and 1,536 columns, maps a panel onto a
-// sixteenth of the L2's sets).
+// The input rows, `padded` to whole vectors, transposed into panels of kPanel rows (the last
+// one kLanes where that is all that is left), each panel [in, its rows] and zero past the last
+// row: `outer` then reads each panel from one contiguous stream, where one [in, all rows]
+// matrix made it step over the other rows' columns (a stride that, at 256 rows and 1,536
+// columns, maps a panel onto a sixteenth of the L2's sets).
 constexpr int64_t kPanel = 2 * kLanes;
 
-at::Tensor panels(const at::Tensor& x) {
+at::Tensor panels(const at::Tensor& x, int64_t padded) {
   const int64_t n = x.size(0), in = x.size(1), ldx = x.stride(0);
-  const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
   at::Tensor xt = at::empty({padded * in}, x.options());
   const float* src = x.data_ptr<float>();
   float* dst = xt.data_ptr<float>();
@@ -348,10 +347,9 @@ at::Tensor panels(const at::Tensor& x) {
 }
 
 template <Kind K>
-void many_rows(const Weights& w, const float* xt, int64_t rows, float* y, int64_t ldy,
-               int64_t begin, int64_t end) {
+void many_rows(const Weights& w, const float* xt, int64_t rows, int64_t padded, float* y,
+               int64_t ldy, int64_t begin, int64_t end) {
   const int64_t in = w.blocks * kBlock;
-  const int64_t padded = (rows + kLanes - 1) / kLanes * kLanes;
   std::vector<float> tile(static_cast<size_t>(kOuts * in));
   for (int64_t o = begin; o < end; o += kOuts) {
     const int outs = static_cast<int>(std::min<int64_t>(kOuts, end - o));
@@ -397,10 +395,11 @@ at::Tensor linear(const at::Tensor& input, const Weights& w, int64_t out) {
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0), n = x.size(0);
   if (n >= kManyRows) {
-    const at::Tensor xt = panels(x);
+    const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;  // rows in whole vectors
+    const at::Tensor xt = panels(x, padded);
     const float* tp = xt.data_ptr<float>();
     at::parallel_for(0, (out + kOuts - 1) / kOuts, 1, [&](int64_t begin, int64_t end) {
-      many_rows<K>(w, tp, n, yp, out, begin * kOuts, std::min(end * kOuts, out));
+      many_rows<K>(w, tp, n, padded, yp, out, begin * kOuts, std::min(end * kOuts, out));
     });
     return y;
   }
