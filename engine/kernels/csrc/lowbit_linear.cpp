@@ -289,11 +289,11 @@ void rebuild(const Weights& w, int64_t o, int n, int64_t end, float* tile) {
   }
 }
 
-// y[r0 .. r0 + NV * kLanes, o .. o + kOuts) from the rebuilt tile and the input rows' panel
-// `xp` ([in, NV * kLanes], the rows transposed).
+// The sums of kOuts outputs over one panel of input rows, from the rebuilt tile and the panel
+// `xp` ([in, NV * kLanes], the rows transposed), stored output by output: output i's
+// NV * kLanes rows at out[i * ldo ..].
 template <int NV>
-void outer(const float* tile, int64_t in, const float* xp, int64_t r0, int64_t rows, float* y,
-           int64_t ldy, int64_t o, int outs) {
+void outer(const float* tile, int64_t in, const float* xp, float* out, int64_t ldo) {
   Vecs<kOuts * NV> acc;
   for (int i = 0; i < kOuts * NV; ++i) acc[i] = Vec(0.f);
   for (int64_t k = 0; k < in; ++k) {
@@ -304,13 +304,8 @@ void outer(const float* tile, int64_t in, const float* xp, int64_t r0, int64_t r
       for (int v = 0; v < NV; ++v) acc[i * NV + v] = at::vec::fmadd(wk, xv[v], acc[i * NV + v]);
     }
   }
-  alignas(64) float lanes[kLanes];
-  for (int i = 0; i < outs; ++i)
-    for (int v = 0; v < NV; ++v) {
-      acc[i * NV + v].store(lanes);
-      for (int l = 0; l < kLanes && r0 + v * kLanes + l < rows; ++l)
-        y[(r0 + v * kLanes + l) * ldy + o + i] = lanes[l];
-    }
+  for (int i = 0; i < kOuts; ++i)
+    for (int v = 0; v < NV; ++v) acc[i * NV + v].store(out + i * ldo + v * kLanes);
 }
 
 // The input rows, `padded` to whole vectors, transposed into panels of kPanel rows (the last
@@ -346,20 +341,44 @@ at::Tensor panels(const at::Tensor& x, int64_t padded) {
   return xt;
 }
 
+// Outputs whose sums `many_rows` keeps in a block of their own ([outputs, padded rows]) before
+// writing them into y's rows whole: written straight into y, each tile's few outputs per row
+// touched one cache line in every row, and where y's rows are a multiple of 4 KiB apart (3,072
+// or 49,152 outputs) all those lines fall in one set of the L1 cache and evict each other.
+constexpr int64_t kBlockOuts = 8 * kOuts;
+
 template <Kind K>
 void many_rows(const Weights& w, const float* xt, int64_t rows, int64_t padded, float* y,
                int64_t ldy, int64_t begin, int64_t end) {
   const int64_t in = w.blocks * kBlock;
   std::vector<float> tile(static_cast<size_t>(kOuts * in));
-  for (int64_t o = begin; o < end; o += kOuts) {
-    const int outs = static_cast<int>(std::min<int64_t>(kOuts, end - o));
-    rebuild<K>(w, o, outs, end, tile.data());
-    if (outs < kOuts)  // rows past the layer's last multiply zeros, their sums unused
-      std::fill(tile.begin() + outs * in, tile.end(), 0.f);
-    int64_t r0 = 0;
-    for (; r0 + kPanel <= padded; r0 += kPanel)
-      outer<2>(tile.data(), in, xt + r0 * in, r0, rows, y, ldy, o, outs);
-    if (r0 < padded) outer<1>(tile.data(), in, xt + r0 * in, r0, rows, y, ldy, o, outs);
+  std::vector<float> block(static_cast<size_t>(kBlockOuts * padded));
+  for (int64_t b0 = begin; b0 < end; b0 += kBlockOuts) {
+    const int64_t b1 = std::min(b0 + kBlockOuts, end);
+    for (int64_t o = b0; o < b1; o += kOuts) {
+      const int outs = static_cast<int>(std::min<int64_t>(kOuts, b1 - o));
+      rebuild<K>(w, o, outs, end, tile.data());
+      if (outs < kOuts)  // rows past the layer's last multiply zeros, their sums unused
+        std::fill(tile.begin() + outs * in, tile.end(), 0.f);
+      float* out = block.data() + (o - b0) * padded;
+      int64_t r0 = 0;
+      for (; r0 + kPanel <= padded; r0 += kPanel)
+        outer<2>(tile.data(), in, xt + r0 * in, out + r0, padded);
+      if (r0 < padded) outer<1>(tile.data(), in, xt + r0 * in, out + r0, padded);
+    }
+    // The block [outputs, rows] into y's rows, eight by eight where whole.
+    const int64_t n = b1 - b0;
+    for (int64_t r = 0; r < rows; r += 8)
+      for (int64_t i = 0; i < n; i += 8) {
+        const float* src = block.data() + i * padded + r;
+        float* dst = y + r * ldy + b0 + i;
+        if (r + 8 <= rows && i + 8 <= n) {
+          at::vec::transpose_mxn<float, 8, 8>(src, padded, dst, ldy);
+          continue;
+        }
+        for (int64_t a = 0; a < 8 && r + a < rows; ++a)
+          for (int64_t c = 0; c < 8 && i + c < n; ++c) dst[a * ldy + c] = src[c * padded + a];
+      }
   }
 }
 
