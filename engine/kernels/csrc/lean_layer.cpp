@@ -100,10 +100,12 @@ at::Tensor norm_rows(const at::Tensor& h, const at::Tensor& weight, double eps) 
   at::Tensor squares = at::empty({m, cols}, h.options().dtype(at::kFloat));
   const T* hp = h.const_data_ptr<T>();
   float* sp = squares.data_ptr<float>();
-  for (int64_t i = 0; i < m * cols; i += kLanes) {
-    const Vec v = load(hp + i);
-    (v * v).store(sp + i);
-  }
+  at::parallel_for(0, m, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * cols; i < end * cols; i += kLanes) {
+      const Vec v = load(hp + i);
+      (v * v).store(sp + i);
+    }
+  });
   const at::Tensor variance = squares.mean(-1);  // x.pow(2).mean(-1): ATen's own sums
   const float* vp = variance.const_data_ptr<float>();
   const at::Tensor w = weight.contiguous();
