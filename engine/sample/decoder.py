@@ -23,6 +23,7 @@ from engine.sample.sampling import (
     apply_logit_bias,
     apply_penalties,
     block_stop_tokens,
+    greedy_tokens,
     logprobs_for,
     sample_rows,
 )
@@ -112,7 +113,7 @@ class TokenDecoder:
         tokens every row agreed with are kept, in the slab and in the output, then each row's
         own next choice."""
         drafts, firsts = result.drafts, result.first_host
-        chosen = result.logits.argmax(dim=-1).tolist()
+        chosen = greedy_tokens(result.logits).tolist()
         choices = [chosen[f : f + 1 + len(d)] for f, d in zip(firsts, drafts)]
         drawn = [i for i, s in enumerate(sb.seqs) if s.job.strategy == "sample"]
         if drawn:
@@ -159,7 +160,7 @@ class TokenDecoder:
         strategies = [s.job.strategy for s in seqs]
         greedy = [i for i, st in enumerate(strategies) if st == "greedy"]
         if greedy:
-            picks = _take(logits, greedy).argmax(dim=-1).tolist()
+            picks = greedy_tokens(_take(logits, greedy)).tolist()
             for i, t in zip(greedy, picks):
                 tokens[i] = t
         sample = [i for i, st in enumerate(strategies) if st == "sample"]
