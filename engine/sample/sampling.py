@@ -22,11 +22,11 @@ _ARGMAX_CHUNK = 64
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(dim=-1)`: each row's first largest column (its first NaN, if any).
 
-    On the CPU, ATen's argmax keeps an index beside every comparison and ran at about 6 GB/s
-    (0.65 ms for 32 rows of 49,152 on AVX2, 2 threads), where a plain maximum runs at memory
-    speed. So the row is cut into chunks of 64 columns: their maxima (NaN where a chunk holds
-    one), the first chunk holding the largest of those (or the first NaN), then the first
-    largest column (or NaN) within it, which is the row's."""
+    On the CPU, ATen's argmax keeps an index beside every comparison and runs several times
+    slower than a plain maximum (docs/benchmarks/speed.md). So the row is cut into chunks of
+    64 columns: their maxima (NaN where a chunk holds one), the first chunk holding the
+    largest of those (or the first NaN), then the first largest column (or NaN) within it,
+    which is the row's."""
     rows, vocab = logits.shape[0], logits.shape[-1]
     if logits.device.type != "cpu" or logits.dim() != 2 or vocab % _ARGMAX_CHUNK \
             or not logits.is_contiguous():
