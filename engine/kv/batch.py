@@ -75,7 +75,7 @@ class SubBatch:
         layers = self.cache.layers
         if not pages_on_write(layers[0].kbuf.device):
             return self.allocated_bytes()
-        # Shapes multiplied out: slicing 60 views a step to read their sizes cost more.
+        # Shapes multiplied out: two sliced views per layer every step cost more.
         return sum(layer.rows * buf.shape[1] * layer.end * buf.shape[3] * buf.element_size()
                    for layer in layers for buf in (layer.kbuf, layer.vbuf))
 

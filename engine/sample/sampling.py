@@ -15,7 +15,9 @@ if TYPE_CHECKING:
     from engine.request.job import Sequence
 
 
-# Columns of a row whose maximum `greedy_tokens` takes at once (a divisor of the vocabulary).
+# Columns of a row whose maximum `greedy_tokens` takes at once: few enough that the argmax
+# within a chunk is cheap, enough that the one over the chunks' maxima is too. A vocabulary
+# that is not a multiple of it goes to `argmax` whole.
 _ARGMAX_CHUNK = 64
 
 
@@ -27,10 +29,10 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     64 columns: their maxima (NaN where a chunk holds one), the first chunk holding the
     largest of those (or the first NaN), then the first largest column (or NaN) within it,
     which is the row's."""
-    rows, vocab = logits.shape[0], logits.shape[-1]
-    if logits.device.type != "cpu" or logits.dim() != 2 or vocab % _ARGMAX_CHUNK \
+    if logits.device.type != "cpu" or logits.dim() != 2 or logits.shape[-1] % _ARGMAX_CHUNK \
             or not logits.is_contiguous():
         return logits.argmax(dim=-1)
+    rows, vocab = logits.shape
     chunks = logits.view(rows, vocab // _ARGMAX_CHUNK, _ARGMAX_CHUNK)
     first = chunks.amax(dim=-1).argmax(dim=-1)
     within = chunks[torch.arange(rows), first].argmax(dim=-1)

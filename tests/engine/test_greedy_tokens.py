@@ -17,9 +17,10 @@ def _rows(vocab: int, dtype: torch.dtype) -> torch.Tensor:
     x[3, 900] = float("nan")  # a NaN beats every number
     x[4, 64] = x[4, 10] = float("nan")  # the first NaN, in an earlier chunk than the largest
     x[5] = float("-inf")  # nothing allowed: column 0, as argmax says
-    x[6] = 0.0
-    x[6, 333] = -0.0  # equal to 0.0: the first column still wins
-    x[7] = 3.0  # all equal
+    x[6] = -1.0
+    x[6, 5], x[6, 700] = -0.0, 0.0  # equal: the first column wins, -0.0 here
+    x[7] = -1.0
+    x[7, 70], x[7, 900] = 0.0, -0.0  # and 0.0 here
     x[8, -1] = x[8].max() + 1  # the last column
     x[9, :64] = float("-inf")  # a whole chunk hidden
     x[10, 0] = float("inf")
@@ -34,11 +35,12 @@ def test_greedy_tokens_equal_argmax(dtype, vocab):
     assert torch.equal(greedy_tokens(x), x.argmax(dim=-1))
 
 
-def test_greedy_tokens_of_views_and_no_rows():
-    x = _rows(1024, torch.float32)
-    picked = x[[0, 3, 5]]
-    assert torch.equal(greedy_tokens(picked), picked.argmax(dim=-1))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_of_views_and_no_rows(dtype):
+    x = _rows(1024, dtype)
+    for part in (x[3:6], x[[0, 3, 5]], x[11:]):  # views at an offset, a gathered copy
+        assert torch.equal(greedy_tokens(part), part.argmax(dim=-1))
     strided = x[:, ::2]  # not contiguous: argmax itself
     assert torch.equal(greedy_tokens(strided), strided.argmax(dim=-1))
-    none = x[:0]
-    assert greedy_tokens(none).shape == (0,)
+    assert greedy_tokens(x[:0]).shape == (0,)
+    assert torch.equal(greedy_tokens(x[0]), x[0].argmax(dim=-1))  # one row, no batch

@@ -24,6 +24,7 @@ from engine.model.blocks import (
     untile_q4,
     untile_q8,
 )
+from engine.model.host_timing import torch_threads
 from engine.model.lowbit import BlockLinear
 from engine.model.onednn import supported as onednn_bf16
 from engine.model.prepare import original_model, prepare
@@ -114,6 +115,30 @@ def test_the_kernel_computes_the_layer_of_the_blocks_weights(ops, kind, rows):
     wide = torch.randn(1, rows, 5 * BLOCK)[..., :3 * BLOCK]
     torch.testing.assert_close(layer(wide), torch.nn.functional.linear(wide, weight, linear.bias),
                                rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["q4", "q8", "bf16"])
+@pytest.mark.parametrize("outputs", [101, 150])  # a thread's second block of 48; a part tile
+def test_many_rows_write_every_output_of_every_row(ops, kind, outputs):
+    """From 16 rows on, each thread's sums go through blocks of outputs into y: every row and
+    output lands in place (against the product of the dense weights), and each output is one
+    running sum of its own, so a row's result is the same bit for bit whatever rows and
+    threads share its call."""
+    weight = WEIGHTS[kind](outputs, 3 * BLOCK, seed=outputs)
+    blocks = exact_blocks(weight)
+    layer = BlockLinear(torch.nn.Linear(3 * BLOCK, outputs, bias=False), blocks, ops,
+                        max_rows=4096)
+    x = torch.randn(1024, 3 * BLOCK)
+    alone = {}
+    for rows in (16, 17, 23, 33, 40, 1024):  # 1,024 rows: 4 KiB a row of the block
+        got = layer.kernel_product(x[:rows])
+        torch.testing.assert_close(got, x[:rows] @ weight.t(), rtol=1e-5, atol=1e-4)
+        alone[rows] = got
+    for rows in (16, 17, 23, 33, 40):
+        assert torch.equal(alone[rows], alone[1024][:rows])
+    with torch_threads(1):
+        assert torch.equal(layer.kernel_product(x[:40]), alone[40])
 
 
 @needs_kernel

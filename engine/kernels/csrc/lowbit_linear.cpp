@@ -347,12 +347,17 @@ at::Tensor panels(const at::Tensor& x, int64_t padded) {
 // or 49,152 outputs) all those lines fall in one set of the L1 cache and evict each other.
 constexpr int64_t kBlockOuts = 8 * kOuts;
 
+// The block's row stride: `padded`, or a cache line more where that is a multiple of 4 KiB, so
+// that the block's own rows do not fall in one set either.
+inline int64_t block_stride(int64_t padded) { return padded % 1024 ? padded : padded + 16; }
+
 template <Kind K>
 void many_rows(const Weights& w, const float* xt, int64_t rows, int64_t padded, float* y,
                int64_t ldy, int64_t begin, int64_t end) {
   const int64_t in = w.blocks * kBlock;
   std::vector<float> tile(static_cast<size_t>(kOuts * in));
-  std::vector<float> block(static_cast<size_t>(kBlockOuts * padded));
+  const int64_t ld = block_stride(padded);
+  std::vector<float> block(static_cast<size_t>(kBlockOuts * ld));
   for (int64_t b0 = begin; b0 < end; b0 += kBlockOuts) {
     const int64_t b1 = std::min(b0 + kBlockOuts, end);
     for (int64_t o = b0; o < b1; o += kOuts) {
@@ -360,24 +365,24 @@ void many_rows(const Weights& w, const float* xt, int64_t rows, int64_t padded, 
       rebuild<K>(w, o, outs, end, tile.data());
       if (outs < kOuts)  // rows past the layer's last multiply zeros, their sums unused
         std::fill(tile.begin() + outs * in, tile.end(), 0.f);
-      float* out = block.data() + (o - b0) * padded;
+      float* out = block.data() + (o - b0) * ld;
       int64_t r0 = 0;
       for (; r0 + kPanel <= padded; r0 += kPanel)
-        outer<2>(tile.data(), in, xt + r0 * in, out + r0, padded);
-      if (r0 < padded) outer<1>(tile.data(), in, xt + r0 * in, out + r0, padded);
+        outer<2>(tile.data(), in, xt + r0 * in, out + r0, ld);
+      if (r0 < padded) outer<1>(tile.data(), in, xt + r0 * in, out + r0, ld);
     }
     // The block [outputs, rows] into y's rows, eight by eight where whole.
     const int64_t n = b1 - b0;
     for (int64_t r = 0; r < rows; r += 8)
       for (int64_t i = 0; i < n; i += 8) {
-        const float* src = block.data() + i * padded + r;
+        const float* src = block.data() + i * ld + r;
         float* dst = y + r * ldy + b0 + i;
         if (r + 8 <= rows && i + 8 <= n) {
-          at::vec::transpose_mxn<float, 8, 8>(src, padded, dst, ldy);
+          at::vec::transpose_mxn<float, 8, 8>(src, ld, dst, ldy);
           continue;
         }
         for (int64_t a = 0; a < 8 && r + a < rows; ++a)
-          for (int64_t c = 0; c < 8 && i + c < n; ++c) dst[a * ldy + c] = src[c * padded + a];
+          for (int64_t c = 0; c < 8 && i + c < n; ++c) dst[a * ldy + c] = src[c * ld + a];
       }
   }
 }
