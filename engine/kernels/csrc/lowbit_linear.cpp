@@ -349,7 +349,10 @@ constexpr int64_t kBlockOuts = 8 * kOuts;
 
 // The block's row stride: `padded`, or a cache line more where that is a multiple of 4 KiB, so
 // that the block's own rows do not fall in one set either.
-inline int64_t block_stride(int64_t padded) { return padded % 1024 ? padded : padded + 16; }
+constexpr int64_t kPageFloats = 4096 / sizeof(float), kLineFloats = 64 / sizeof(float);
+inline int64_t block_stride(int64_t padded) {
+  return padded % kPageFloats ? padded : padded + kLineFloats;
+}
 
 template <Kind K>
 void many_rows(const Weights& w, const float* xt, int64_t rows, int64_t padded, float* y,
