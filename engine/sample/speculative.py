@@ -54,11 +54,15 @@ class Payoff:
       docs/benchmarks/speed.md);
     - how often a draft's j-th token is kept when the ones before it were: later tokens are
       kept less often, so a shorter draft can pay where a longer one does not.
-    A draft of length L yields 1 + the sum over j <= L of the chance that its first j tokens
-    are kept, in the time of a step of 1 + L columns; no draft yields one token in a step of
-    one column. Times of column counts not seen are drawn on the line through the nearest two
-    seen. Both are steadier than whole steps' yields (a step keeps 0 to L tokens), so the
-    choice does not follow one lucky run of steps."""
+    - how many of the rows a step drafts for are fed a draft: a row whose context has no
+      match has none, and a sub-batch feeds none unless all its rows have one. With several
+      rows the step then often carries one row's draft: the longer step's cost, one row's gain.
+    A fed row's draft of length L yields 1 + the sum over j <= L of the chance that its first j
+    tokens are kept; a row not fed yields one token. A step feeding any draft takes the time of
+    1 + L columns, one feeding none that of one column; no draft yields one token a row in a
+    step of one column. Times of column counts not seen are drawn on the line through the
+    nearest two seen. These are steadier than whole steps' yields (a step keeps 0 to L tokens),
+    so the choice does not follow one lucky run of steps."""
 
     def __init__(self, k: int) -> None:
         self.k = k
@@ -69,10 +73,18 @@ class Payoff:
         self._reached: dict[int, list[float]] = {}
         self._kept: dict[int, list[float]] = {}
         self._asked: dict[int, int] = {}
+        # Per row count, over steps that drafted: decayed steps, steps that fed any draft, and
+        # the share of their rows fed.
+        self._fed: dict[int, list[float]] = {}
 
     def observe(self, rows: int, columns: int, seconds: float) -> None:
         t = self._seconds.setdefault((rows, columns), [0.0, 0.0])
         t[0], t[1] = DECAY * t[0] + seconds, DECAY * t[1] + 1
+
+    def observe_fed(self, rows: int, fed: int) -> None:
+        """A step of `rows` rows drafted for and fed drafts to `fed` of them."""
+        f = self._fed.setdefault(rows, [0.0, 0.0, 0.0])
+        f[0], f[1], f[2] = DECAY * f[0] + 1, DECAY * f[1] + (fed > 0), DECAY * f[2] + fed / rows
 
     def observe_draft(self, rows: int, drafted: int, kept: int) -> None:
         """A sub-batch of `rows` rows fed drafts of at least `drafted` tokens, kept `kept`."""
@@ -114,7 +126,12 @@ class Payoff:
         self._asked[rows] = asked = self._asked.get(rows, 0) + 1
         if asked % EXPLORE == 0:
             return self.k
-        rates = {n: self.expected_tokens(n, rows) / _on_line(seconds, 1 + n)
+        any_fed, share = 1.0, 1.0  # until seen: every row fed
+        fed = self._fed.get(rows)
+        if fed is not None and fed[0] >= MIN_SEEN:
+            any_fed, share = fed[1] / fed[0], fed[2] / fed[0]
+        rates = {n: (1 + share * (self.expected_tokens(n, rows) - 1))
+                 / (any_fed * _on_line(seconds, 1 + n) + (1 - any_fed) * seconds[1])
                  for n in range(1, self.k + 1)}
         rates[0] = 1.0 / seconds[1]
         return max(rates, key=lambda n: (rates[n], -n))  # the shorter where equal
@@ -237,6 +254,8 @@ class Speculator:
         self._paused = 0
         self.payoff = Payoff(self.k)
         self._columns = 1  # columns the step under way feeds per row
+        self._length = 0  # the draft length chosen for it
+        self._fed_rows = 0  # and the rows it fed drafts to
         self.draft_model = draft_model
 
     def draft(self, rows: list[Sequence]) -> None:
@@ -247,13 +266,17 @@ class Speculator:
             self.draft_model.keep_only({(s.job.job_id, s.index) for s in rows})
         for s in rows:
             s.draft = self._propose(s, length) if length else []
-        self._columns = 1  # until `record` sees drafts fed: a sub-batch drops them unless all
-        # of its rows have one (engine.model.decode_inputs)
+        self._length = length
+        # Until `record` sees drafts fed: a sub-batch drops them unless all of its rows have
+        # one (engine.model.decode_inputs).
+        self._columns, self._fed_rows = 1, 0
 
     def step_done(self, rows: int, seconds: float) -> None:
         """A decode-only step of `rows` rows took `seconds`: what its columns cost."""
         if 0 < rows <= self.max_rows and self.k:
             self.payoff.observe(rows, self._columns, seconds)
+            if self._length:
+                self.payoff.observe_fed(rows, self._fed_rows)
 
     def _propose(self, s: Sequence, length: int) -> list[int]:
         if not plain(s) or s.status.finished:
@@ -282,6 +305,7 @@ class Speculator:
         """A sub-batch verified `drafts` (one per row) and kept the first `kept` of each."""
         proposed, accepted = sum(map(len, drafts)), kept * len(drafts)
         self._columns = max(self._columns, 1 + max(map(len, drafts)))
+        self._fed_rows += len(drafts)
         self.payoff.observe_draft(len(drafts), min(map(len, drafts)), kept)
         self.proposed += proposed
         self.accepted += accepted

@@ -65,6 +65,53 @@ def test_the_payoff_drafts_the_length_with_the_most_tokens_per_second():
     assert payoff.length(3) == 0
 
 
+def test_the_payoff_counts_a_drafts_gain_for_the_rows_fed_one():
+    """Four rows whose fed drafts keep every token, in steps that feed only some of them: the
+    longer step is paid for by the rows fed alone."""
+    payoff = speculative.Payoff(4)
+    for _ in range(8):
+        payoff.observe_draft(1, 4, 4)
+        payoff.observe(4, 1, 0.018)
+        payoff.observe(4, 5, 0.045)
+    assert payoff.expected_tokens(4, 4) == pytest.approx(5.0)
+    assert payoff.length(4) == 4  # every row fed: 5 tokens in 0.045 s, 111/s against 56/s
+    for _ in range(8):
+        payoff.observe_fed(4, 2)
+    assert payoff.length(4) == 4  # half of them: 1 + 0.5 * 4 = 3 tokens, 67/s
+    for _ in range(40):
+        payoff.observe_fed(4, 1)
+    assert payoff.length(4) == 0  # one in four: about 2 tokens, 47/s
+    for _ in range(40):
+        payoff.observe_fed(4, 0)
+        payoff.observe_fed(4, 4)
+    # half the steps feed every row, half none (and cost a one-column step):
+    # 1 + 0.5 * 4 = 3 tokens in 0.5 * 0.045 + 0.5 * 0.018 s, 95/s
+    assert payoff.length(4) == 4
+    for _ in range(4):
+        payoff.observe(1, 1, 0.010)
+        payoff.observe(1, 5, 0.020)
+    assert payoff.length(1) == 4  # one row's fed share is its own: not seen, every row fed
+
+
+def test_the_speculator_counts_the_rows_fed_in_steps_that_draft():
+    spec = speculative.Speculator(EngineConfig(num_speculative_tokens=4), 2048)
+    spec.payoff.length = lambda rows: 4
+    spec._propose = lambda s, length: []  # what the step feeds is recorded below
+    rows = [SimpleNamespace() for _ in range(4)]
+    for fed in ([[[1, 2]]], [], [[[3], [4]]]):  # each step's sub-batches that fed drafts
+        spec.draft(rows)
+        for drafts in fed:
+            spec.record(drafts, 0)
+        spec.step_done(4, 0.02)
+    steps, any_fed, share = spec.payoff._fed[4]
+    assert any_fed / steps == pytest.approx(2 / 3, abs=0.02)
+    assert share / steps == pytest.approx((1 / 4 + 2 / 4) / 3, abs=0.02)
+    spec.payoff.length = lambda rows: 0
+    spec.draft(rows)
+    spec.step_done(4, 0.02)  # a step that did not draft says nothing of what drafts reach
+    assert spec.payoff._fed[4][0] == steps
+
+
 def test_the_payoff_counts_the_columns_fed_and_keeps_longer_steps_no_cheaper():
     spec = speculative.Speculator(EngineConfig(num_speculative_tokens=4), 2048)
     spec.draft([])
