@@ -22,7 +22,8 @@ leaves attention to SDPA and linear layers to PyTorch. The library registers
 and `q8_q8_linear` (the blocks, Q4_1's in tiles of 8 output rows, times rows rounded to 8 bits,
 `csrc/q8_rows.cpp`),
 `lean_attention_inputs`, `lean_attention_output`, `int8_linear` (and `instantiated`,
-`instruction_set`, `int8_product_kind`); one build of it can be loaded per process.
+`instruction_set`, `int8_product_kind`, `int8_sums_exact`); one build of it can be loaded per
+process.
 
 It is built with torch's own extension builder (`torch.utils.cpp_extension`, ninja and the
 system's C++ compiler) into the cache directory under a name keyed by its source, the flags,
@@ -88,7 +89,8 @@ class Native:
     `q8_linear(x, q, d)`, `h16_linear(x, w)`, `q4x8_q8_linear(x, q, d, m)`, `q8_q8_linear(x, q,
     d)`, `q8x8_q8_linear(x, q, d)` (engine.model.lowbit), `lean_attention_inputs`
     and `lean_attention_output` (engine.model.llama_layers), `int8_linear(x, weight, scales,
-    bias)` and `int8_product_kind()` (which product it multiplies by: engine.model.w8a8),
+    bias)`, `int8_product_kind()` (which product it multiplies by: engine.model.w8a8) and
+    `int8_sums_exact()` (whether ATen's int8 product sums exactly here, which that choice rests on),
     `instantiated(dtype, head_dim, groups)` and `instruction_set()`."""
 
     def __init__(self, library: Path):
@@ -105,6 +107,7 @@ class Native:
         self.lean_attention_output = ops.lean_attention_output.default
         self.int8_linear = ops.int8_linear.default
         self.int8_product_kind = ops.int8_product_kind.default
+        self.int8_sums_exact = ops.int8_sums_exact.default
         self.instantiated = ops.instantiated.default
         self.instruction_set = ops.instruction_set.default
 

@@ -198,10 +198,13 @@ def aten_int8_sums_exact() -> bool:
 
 
 def test_int_mm_sums_are_exact_where_the_library_multiplies_through_onednn(ops):
-    """On every host, not only where the library took oneDNN's product: which one it takes on
-    a host whose sums are exact is decided by timing the two at start, so a check that ran
-    only after that choice ran or skipped by chance on a noisy machine."""
-    assert ops.int8_product_kind() != "onednn" or aten_int8_sums_exact()
+    """The library's own probe answers as this one does, on every host (which product it then
+    takes where the sums are exact is decided by timing the two at start, so a check of that
+    choice alone would run or pass trivially by chance on a noisy machine); and it takes
+    oneDNN's product only where they are exact."""
+    exact = aten_int8_sums_exact()
+    assert ops.int8_sums_exact() == exact
+    assert ops.int8_product_kind() != "onednn" or exact
 
 
 _WIDENED = """

@@ -594,6 +594,7 @@ at::Tensor int8_product(const at::Tensor& x, const at::Tensor& weight, const at:
 TORCH_LIBRARY_FRAGMENT(seqgate, m) {
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
   m.def("int8_product_kind() -> str", &int8_product_kind);
+  m.def("int8_sums_exact() -> bool", &int_mm_exact);
 }
 
 TORCH_LIBRARY_IMPL(seqgate, CPU, m) { m.impl("int8_linear", &int8_linear); }
