@@ -82,7 +82,7 @@ class Payoff:
         t[0], t[1] = DECAY * t[0] + seconds, DECAY * t[1] + 1
 
     def observe_fed(self, rows: int, fed: int) -> None:
-        """A step of `rows` rows drafted for and fed drafts to `fed` of them."""
+        """A step of `rows` rows (at least one) drafted for and fed drafts to `fed` of them."""
         f = self._fed.setdefault(rows, [0.0, 0.0, 0.0])
         f[0], f[1], f[2] = DECAY * f[0] + 1, DECAY * f[1] + (fed > 0), DECAY * f[2] + fed / rows
 

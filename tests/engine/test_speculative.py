@@ -80,17 +80,21 @@ def test_the_payoff_counts_a_drafts_gain_for_the_rows_fed_one():
     assert payoff.length(4) == 4  # half of them: 1 + 0.5 * 4 = 3 tokens, 67/s
     for _ in range(40):
         payoff.observe_fed(4, 1)
-    assert payoff.length(4) == 0  # one in four: about 2 tokens, 47/s
-    for _ in range(40):
-        payoff.observe_fed(4, 0)
-        payoff.observe_fed(4, 4)
-    # half the steps feed every row, half none (and cost a one-column step):
-    # 1 + 0.5 * 4 = 3 tokens in 0.5 * 0.045 + 0.5 * 0.018 s, 95/s
+    # one in four: 1 + 0.26 * 4 = 2.05 tokens in 0.045 s, 45/s (a draft of one: 51/s)
+    assert payoff.length(4) == 0
+    for _ in range(15):
+        for fed in (4, 0, 0, 0):
+            payoff.observe_fed(4, fed)
+    # one step in four feeds every row and the others none, at a one-column step's time:
+    # 1 + 0.23 * 4 = 1.9 tokens in 0.26 * 0.045 + 0.74 * 0.018 s, 77/s (43/s if every
+    # drafting step took the longer time)
     assert payoff.length(4) == 4
     for _ in range(4):
         payoff.observe(1, 1, 0.010)
-        payoff.observe(1, 5, 0.020)
-    assert payoff.length(1) == 4  # one row's fed share is its own: not seen, every row fed
+        payoff.observe(1, 5, 0.045)
+    # one row's fed share is its own, not seen yet: every row fed, 5 tokens in 0.045 s, 111/s
+    # against 100/s (with four rows' share, 1.9 tokens: about 75/s)
+    assert payoff.length(1) == 4
 
 
 def test_the_speculator_counts_the_rows_fed_in_steps_that_draft():

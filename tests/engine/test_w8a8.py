@@ -194,7 +194,10 @@ def aten_int8_sums_exact() -> bool:
     b = torch.full((64, 16), 127, dtype=torch.int8)
     b[:, 1::2] = -127
     want = (a.double() @ b.double()).to(torch.int32)  # at most 64 × 127²: exact in a double
-    return torch.equal(torch._int_mm(a, b), want)
+    try:
+        return torch.equal(torch._int_mm(a, b), want)
+    except RuntimeError:  # no int8 product for the CPU in this build (as the library says)
+        return False
 
 
 def test_int_mm_sums_are_exact_where_the_library_multiplies_through_onednn(ops):
