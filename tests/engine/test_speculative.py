@@ -91,9 +91,9 @@ def test_the_payoff_counts_a_drafts_gain_for_the_rows_fed_one():
     assert payoff.length(4) == 4
     for _ in range(4):
         payoff.observe(1, 1, 0.010)
-        payoff.observe(1, 5, 0.045)
-    # one row's fed share is its own, not seen yet: every row fed, 5 tokens in 0.045 s, 111/s
-    # against 100/s (with four rows' share, 1.9 tokens: about 75/s)
+        payoff.observe(1, 5, 0.048)
+    # one row's fed share is its own, not seen yet: every row fed, 5 tokens in 0.048 s, 104/s
+    # against 100/s (with four rows' shares, 1.9 tokens in 0.020 s: 96/s, and no draft)
     assert payoff.length(1) == 4
 
 
