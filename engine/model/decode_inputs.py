@@ -88,16 +88,19 @@ class DecodeFeed:
         column."""
         return torch.cat([self.context, self.context.new_ones((len(self.first), 1))], dim=1)
 
-    def mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """[rows, 1, slots, width + slots] additive: each query sees its row's context and its own
-        new column, or with drafts every new column up to its own (an additive mask: the CPU
-        attention kernel runs faster with it)."""
+    def allowed(self) -> torch.Tensor:
+        """[rows, 1, slots, width + slots] bool: each query sees its row's context and its own
+        new column, or with drafts every new column up to its own."""
         rows, width = self.context.shape
         own = torch.ones((self.slots, self.slots), dtype=torch.bool,
                          device=self.context.device).tril_()
         if self.drafts is None:
             own = torch.eye(self.slots, dtype=torch.bool, device=self.context.device)
-        allowed = torch.cat([self.context[:, None, :].expand(rows, self.slots, width),
-                             own[None].expand(rows, -1, -1)], dim=-1)
+        return torch.cat([self.context[:, None, :].expand(rows, self.slots, width),
+                          own[None].expand(rows, -1, -1)], dim=-1)[:, None]
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """`allowed` as an additive mask (PyTorch's CPU flash kernel runs faster with one)."""
+        allowed = self.allowed()
         mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-        return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+        return mask.masked_fill_(~allowed, torch.finfo(dtype).min)

@@ -37,6 +37,8 @@ _FUSED_ADDITIVE = "seqgate_fused_additive"
 # Attribute of an attention layer holding the compiled decode kernel it runs
 # (engine.kernels.native).
 DECODE_KERNEL_ATTR = "_seqgate_decode_kernel"
+# Attribute of a model holding how many of its layers have the decode kernel.
+_KERNEL_LAYERS_ATTR = "_seqgate_decode_kernel_layers"
 # Attribute of a model holding the attention function `install` dispatches groups to.
 _INNER_ATTR = "_seqgate_fused_inner"
 # Attribute of each of a model's modules holding the function its attention runs per group.
@@ -48,7 +50,8 @@ class Group:
     """One group's place in the packed sequence and the cache its KV goes to.
 
     A decode group is a sub-batch: `tokens` rows, one query each, over its slab; or, when rows
-    feed contrastive candidates, `feed.slots` queries per row, laid out by its `DecodeFeed`. A
+    feed drafts or contrastive candidates, `feed.slots` queries per row, laid out by its
+    `DecodeFeed`. A
     prefill chunk is one row of `tokens` queries over its prompt's KV so far.
     """
 
@@ -217,19 +220,27 @@ def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, 
     threads, 300 keys: 273 vs 85 µs per layer). transformers stacks them itself when a mask is
     given; this does it in every case where the mask is shared by all heads. Where
     `use_decode_kernel` gave the layer engine.kernels.native's kernel and the kernel
-    takes the call, it runs instead."""
+    takes the call (one query per row, or a draft's queries with their boolean mask), it runs
+    instead."""
     groups = getattr(module, "num_key_value_groups", 1)
     rows, heads, q_len, dim = query.shape
     plain = not (dropout or kwargs.get("softcap") is not None
                  or kwargs.get("position_bias") is not None)
     kernel = getattr(module, DECODE_KERNEL_ATTR, None)
-    if kernel is not None and q_len == 1 and plain:
+    boolean = attention_mask is not None and attention_mask.dtype == torch.bool
+    # Several queries a row without a mask would be causal in transformers' SDPA; the kernel
+    # takes them only with their mask (a draft's rows).
+    if kernel is not None and plain and (q_len == 1 or boolean):
         # The kernel alone says whether a call fits it (None: it does not), so no check kept
         # here could disagree with its own. It widens a narrower KV cache as it reads.
         out = kernel.decode_attention(query, key, value, attention_mask,
                                       scaling if scaling is not None else dim ** -0.5)
         if out is not None:
             return out, None
+    if q_len > 1 and boolean and query.device.type == "cpu":
+        # A draft's rows the kernel did not take: the flash kernel runs faster additive.
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype).masked_fill_(
+            ~attention_mask, torch.finfo(query.dtype).min)
     key, value = _in_query_dtype(query, key, value)
     if (q_len > 1 and plain and groups > 1 and attention_mask is not None
             and attention_mask.shape[1] == 1 and query.device.type == "cpu"):
@@ -255,16 +266,22 @@ def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, 
 
 def use_decode_kernel(model: torch.nn.Module, kernel, kv_dtype: torch.dtype | None = None
                       ) -> int:
-    """Have `model`'s attention layers run one-query steps through `kernel`
-    (engine.kernels.native's operators; None: PyTorch's SDPA) where it can: the packed
-    dispatcher runs SDPA (`install` on a model whose attention was transformers' SDPA) and the
-    kernel is built for the model's dtype with the KV's (`kv_dtype`, default the model's), the
-    layer's head size and query heads per KV head. Returns how many layers do."""
+    """Have `model`'s attention layers run decode steps (one query per row, or a draft's few)
+    through `kernel` (engine.kernels.native's operators; None: PyTorch's SDPA) where it can:
+    the packed dispatcher runs SDPA (`install` on a model whose attention was transformers'
+    SDPA) and the kernel is built for the model's dtype with the KV's (`kv_dtype`, default the
+    model's), the layer's head size and query heads per KV head. Returns how many layers do."""
     layers = 0
     for module, fits in _kernel_fits(model, kernel, kv_dtype):
         setattr(module, DECODE_KERNEL_ATTR, kernel if fits else None)
         layers += fits
+    setattr(model, _KERNEL_LAYERS_ATTR, layers)
     return layers
+
+
+def decode_kernel_layers(model: torch.nn.Module) -> int:
+    """How many of `model`'s attention layers `use_decode_kernel` gave the kernel."""
+    return getattr(model, _KERNEL_LAYERS_ATTR, 0)
 
 
 def decode_kernel_reads(model: torch.nn.Module, kernel, kv_dtype: torch.dtype) -> bool:
@@ -274,7 +291,7 @@ def decode_kernel_reads(model: torch.nn.Module, kernel, kv_dtype: torch.dtype) -
 
 
 def _kernel_fits(model: torch.nn.Module, kernel, kv_dtype: torch.dtype | None):
-    """(attention layer, whether `kernel` takes its one-query calls), for each layer."""
+    """(attention layer, whether `kernel` takes its decode steps' calls), for each layer."""
     if getattr(model, _INNER_ATTR, None) is not _sdpa:
         kernel = None
     dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype

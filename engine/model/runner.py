@@ -192,7 +192,12 @@ class ModelRunner:
         here: without the packed path the linear layers see the padding too)."""
         feed = DecodeFeed.of(sb)
         sb.reserve(sb.width + feed.slots)
-        mask = feed.one_token_mask().long() if feed.slots == 1 else feed.mask(self.dtype)
+        if feed.slots == 1:
+            mask = feed.one_token_mask().long()
+        elif packed_forward.decode_kernel_layers(self.model):
+            mask = feed.allowed()  # the decode kernel takes a draft's rows as they are
+        else:
+            mask = feed.mask(self.dtype)
         out = self._forward(
             input_ids=feed.padded(feed.ids),
             position_ids=feed.padded(feed.positions),
@@ -252,6 +257,8 @@ class ModelRunner:
             sb.reserve(sb.width + feed.slots)
             if feed.slots == 1:
                 mask = self._bias(feed.one_token_mask()[:, None, None, :])
+            elif packed_forward.decode_kernel_layers(self.model):
+                mask = feed.allowed()  # the decode kernel takes a draft's rows as they are
             else:
                 mask = self._bias(feed.mask(self.dtype))
             groups.append(packed_forward.Group(sb.cache, offset, feed.tokens, sb.size, mask, feed))

@@ -236,6 +236,41 @@ def test_the_kernel_computes_what_sdpa_does(kernel, rows, kv_heads, groups, dim,
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows,kv_heads,groups,dim,columns,positions", [
+    (1, 3, 3, 64, 300, 5), (4, 3, 3, 64, 47, 4), (2, 2, 1, 64, 17, 3), (3, 1, 8, 128, 40, 2),
+    (2, 2, 2, 64, 9, 9)])
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.bfloat16, torch.bfloat16),
+                                            (torch.float32, torch.float32),
+                                            (torch.float32, torch.float16)])
+def test_a_drafts_queries_each_get_what_they_alone_would(kernel, rows, kv_heads, groups, dim,
+                                                        columns, positions, dtype, kv_dtype):
+    """Several query positions per row, each with its own mask row (a draft's, causal over the
+    newest columns, after left padding): each position's output is bit for bit what a call with
+    that position alone gives, and SDPA's within 1e-5 in fp32."""
+    gen = torch.Generator().manual_seed(rows * 100 + positions)
+    q = (torch.randn(rows, kv_heads * groups, positions, dim, generator=gen) * 2).to(dtype)
+    k = _slab_view(rows, kv_heads, columns, dim, gen=gen, scale=3.0, dtype=kv_dtype)
+    v = _slab_view(rows, kv_heads, columns, dim, gen=gen, dtype=kv_dtype)
+    starts = torch.randint(0, columns - positions + 1, (rows,), generator=gen)
+    cols = torch.arange(columns)
+    last = columns - positions + torch.arange(positions)  # each position's own column
+    mask = (cols[None, None, :] >= starts[:, None, None]) & (cols[None, None, :]
+                                                            <= last[None, :, None])
+    mask = mask[:, None]  # [rows, 1, positions, columns]
+    got = kernel.decode_attention(q, k, v, mask, dim ** -0.5)
+    assert got.shape == (rows, positions, kv_heads * groups, dim) and got.dtype == dtype
+    for j in range(positions):
+        alone = kernel.decode_attention(q[:, :, j:j + 1], k, v, mask[:, :, j:j + 1],
+                                        dim ** -0.5)
+        assert torch.equal(got[:, j:j + 1], alone), j
+    if dtype == torch.float32:
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, k.float(), v.float(), attn_mask=mask, scale=dim ** -0.5,
+            enable_gqa=True).transpose(1, 2)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
 def test_calls_the_kernel_is_not_built_for_get_none(kernel):
     """The kernel alone checks what it takes; anything else gets None (and the caller SDPA)."""
     gen = torch.Generator().manual_seed(1)
@@ -251,7 +286,8 @@ def test_calls_the_kernel_is_not_built_for_get_none(kernel):
         (_query(2, 6, 16, gen), k[..., :16], v[..., :16], mask),  # head dim 16
         (_query(2, 18, 64, gen), k, v, mask),  # 9 query heads per KV head
         (_query(2, 5, 64, gen), k, v, mask),  # not whole groups
-        (q.expand(2, 6, 2, 64), k, v, mask),  # two queries per row
+        (q.expand(2, 6, 17, 64), k, v, mask),  # more query positions than a draft's
+        (q.expand(2, 6, 2, 64), k, v, mask.expand(2, 1, 3, 30)),  # mask rows ≠ positions
         (q, k, v[:, :, :29], mask),  # keys and values differ
         (q, k, v, mask.to(torch.bfloat16)),  # an additive mask
         (q, k, v, mask[:1]),  # a mask broadcast over rows
@@ -311,8 +347,9 @@ def test_the_kernel_lets_other_python_threads_run(kernel):
 
 @needs_kernel
 def test_sdpa_dispatch_takes_the_kernel_only_where_it_applies(kernel):
-    """`fused._sdpa` hands one-query steps to the kernel and everything else (several queries,
-    calls the kernel returns None for) to SDPA, with the same result."""
+    """`fused._sdpa` hands one-query steps and a draft's queries with their boolean mask to the
+    kernel, and everything else (several queries without a mask or with an additive one, calls
+    the kernel returns None for) to SDPA, with the same result."""
     calls = []
 
     class Spy:
@@ -342,10 +379,15 @@ def test_sdpa_dispatch_takes_the_kernel_only_where_it_applies(kernel):
     additive = torch.zeros(4, 1, 1, 40, dtype=torch.bfloat16)
     out, _ = fused._sdpa(module, q, k, v, additive, scaling=0.125)  # the kernel declines
     assert calls[-1] is False and out.shape == (4, 1, 9, 64)
-    chunk_mask = torch.ones(1, 1, 3, 40, dtype=torch.bool)
-    fused._sdpa(module, q[:1].expand(1, 9, 3, 64).contiguous(), k[:1], v[:1], chunk_mask,
-                scaling=0.125)
-    assert len(calls) == 4  # three queries: SDPA, without asking the kernel
+    queries = q[:1].expand(1, 9, 3, 64).contiguous()
+    draft_mask = torch.ones(1, 1, 3, 40, dtype=torch.bool).tril_(37)  # causal over the last 3
+    out, _ = fused._sdpa(module, queries, k[:1], v[:1], draft_mask, scaling=0.125)
+    assert calls[-1] is True and len(calls) == 5 and out.shape == (1, 3, 9, 64)
+    torch.testing.assert_close(out, fused._sdpa(plain, queries, k[:1], v[:1], draft_mask,
+                                                scaling=0.125)[0], atol=2e-2, rtol=2e-2)
+    # Several queries without a mask are causal in transformers' SDPA: not the kernel's.
+    fused._sdpa(module, queries, k[:1], v[:1], None, scaling=0.125)
+    assert len(calls) == 5
 
 
 def _random_llama(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int):

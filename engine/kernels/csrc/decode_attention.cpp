@@ -1,12 +1,15 @@
-// Attention of one query token per row over a rolling batch's KV slab, on the CPU.
+// Attention of a few query tokens per row over a rolling batch's KV slab, on the CPU: one per
+// row in a decode step; the pending token and its draft, each with its own mask row, in a step
+// that verifies drafts.
 //
 // PyTorch's CPU flash-attention kernel is built for long query blocks; with one query per row
 // it reads the KV slowly and took 29-40% of a decode step's CPU time at 32 rows. This kernel
-// runs one task per (row, KV head): the group's query heads dot every shown key (each key
-// loaded once for all of them), a two-pass softmax in fp32, then the values weighted and summed
-// in fp32 and rounded once to the output's type. Keys the mask hides get weight 0 and their
-// rows are not read, except keys' rows in a block that also shows some (their scores are
-// computed and discarded).
+// runs one task per (row, KV head, query position): the group's query heads dot every shown key
+// (each key loaded once for all of them), a two-pass softmax in fp32, then the values weighted
+// and summed in fp32 and rounded once to the output's type. Keys the mask hides get weight 0 and
+// their rows are not read, except keys' rows in a block that also shows some (their scores are
+// computed and discarded). A row's positions are consecutive tasks, so the later ones find its
+// keys and values in the cache; each position's arithmetic is what a call with it alone does.
 //
 // One source for every CPU: it is written over ATen's Vectorized<float>, whose implementation
 // (AVX512, AVX2, NEON) the CPU_CAPABILITY_* macro the build defines picks; templated on the
@@ -40,15 +43,29 @@ using namespace seqgate;
 // Vector registers a loop's accumulators and operands may take (one left for a broadcast).
 constexpr int kRegs = kLanes >= 16 ? 31 : 15;
 constexpr float kHidden = -std::numeric_limits<float>::infinity();
+// Query positions per row it takes: a step's pending token and a draft (a longer prompt chunk
+// goes to PyTorch's flash kernel, built for it).
+constexpr int64_t kMaxPositions = 16;
 
 struct Problem {
   const void *q, *k, *v;
-  const bool* mask;  // [rows, columns] (true attends), or null: every column
-  void* out;         // [rows, kv_heads * groups, dim], contiguous
+  const bool* mask;  // [rows, positions or 1, columns] (true attends), or null: every column
+  void* out;         // [rows, positions, kv_heads * groups, dim], contiguous
   int64_t kv_heads, columns;
   int64_t q_row, q_head, k_row, k_head, k_col, v_row, v_head, v_col, mask_row;
   float scale;
+  int64_t positions = 1;  // query positions per row (1 + a draft's length)
+  int64_t q_pos = 0;      // the query's stride between positions
+  int64_t mask_pos = 0;   // the mask's stride between positions (0: one row for all)
 };
+
+// A task's row, KV head and query position: a row's positions are consecutive tasks.
+struct Task {
+  int64_t r, h, j;
+};
+inline Task task_of(const Problem& p, int64_t t) {
+  return {t / (p.kv_heads * p.positions), t / p.positions % p.kv_heads, t % p.positions};
+}
 
 // How many of the `n` columns from `c0` the mask row shows (all of them without a mask).
 inline int shown_in(const bool* mr, int64_t c0, int n) {
@@ -272,13 +289,13 @@ void weighted_values(const Problem& p, const T* vp, const bool* mr, const Next<T
       (Vec::loadu(out + g * D + i) * Vec(inv[g])).store(out + g * D + i);
 }
 
-// A task's (row, KV head's) keys, values and mask row.
+// A task's keys, values and mask row.
 template <typename KV>
 Next<KV> rows_of(const Problem& p, int64_t task) {
-  const int64_t r = task / p.kv_heads, h = task % p.kv_heads;
-  return {static_cast<const KV*>(p.k) + r * p.k_row + h * p.k_head,
-          static_cast<const KV*>(p.v) + r * p.v_row + h * p.v_head,
-          p.mask ? p.mask + r * p.mask_row : nullptr};
+  const Task t = task_of(p, task);
+  return {static_cast<const KV*>(p.k) + t.r * p.k_row + t.h * p.k_head,
+          static_cast<const KV*>(p.v) + t.r * p.v_row + t.h * p.v_head,
+          p.mask ? p.mask + t.r * p.mask_row + t.j * p.mask_pos : nullptr};
 }
 
 // One (row, KV head). Scratch: the query (scaled, fp32), the scores then weights (`padded` per
@@ -288,13 +305,13 @@ Next<KV> rows_of(const Problem& p, int64_t task) {
 template <typename T, typename KV, int D, int G>
 void attend(const Problem& p, int64_t task, const Next<KV>& next, int64_t padded,
             float* scratch) {
-  const int64_t r = task / p.kv_heads, h = task % p.kv_heads;
+  const Task t = task_of(p, task);
   float *qf = scratch, *s = qf + G * D, *parts = s + G * padded, *of = parts + G * kLanes * kLanes;
-  const T* q = static_cast<const T*>(p.q) + r * p.q_row + h * G * p.q_head;
+  const T* q = static_cast<const T*>(p.q) + t.r * p.q_row + t.h * G * p.q_head + t.j * p.q_pos;
   const Next<KV> own = rows_of<KV>(p, task);
   const KV *kp = own.k, *vp = own.v;
   const bool* mr = own.mask;
-  T* out = static_cast<T*>(p.out) + (r * p.kv_heads + h) * G * D;
+  T* out = static_cast<T*>(p.out) + ((t.r * p.positions + t.j) * p.kv_heads + t.h) * G * D;
   float mx[G], inv[G];
   bool dotted = false;
 #if defined(CPU_CAPABILITY_AVX512)
@@ -330,9 +347,13 @@ void run(const Problem& p, int64_t tasks) {
     const int64_t ahead = std::min<int64_t>(p.columns, 32);
     fetch_shown<KV, D, 3>(first.k, p.k_col, first.mask, 0, ahead);
     fetch_shown<KV, D, 3>(first.v, p.v_col, first.mask, 0, ahead);
+    // The next task's rows are fetched ahead unless it is this row's next position (its keys
+    // and values are this task's).
     for (int64_t t = begin; t < end; ++t)
-      attend<T, KV, D, G>(p, t, t + 1 < end ? rows_of<KV>(p, t + 1) : Next<KV>{}, padded,
-                          scratch.data());
+      attend<T, KV, D, G>(p, t,
+                          t + 1 < end && (t + 1) % p.positions == 0 ? rows_of<KV>(p, t + 1)
+                                                                    : Next<KV>{},
+                          padded, scratch.data());
   });
 }
 
@@ -372,23 +393,27 @@ Run fits(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       !k.device().is_cpu() || !v.device().is_cpu() || v.scalar_type() != k.scalar_type())
     return nullptr;
   const int64_t rows = k.size(0), kv_heads = k.size(1), columns = k.size(2), dim = k.size(3);
-  if (q.size(0) != rows || q.size(2) != 1 || q.size(3) != dim || kv_heads == 0 ||
+  const int64_t positions = q.size(2);
+  if (q.size(0) != rows || positions == 0 || positions > kMaxPositions || q.size(3) != dim ||
+      kv_heads == 0 ||
       columns == 0 || q.size(1) % kv_heads != 0 || q.stride(3) != 1 || k.stride(3) != 1 ||
       v.stride(3) != 1)
     return nullptr;
   if (mask.has_value() && mask->defined()) {
     const at::Tensor& m = *mask;
     if (m.scalar_type() != at::kBool || m.dim() != 4 || !m.device().is_cpu() ||
-        m.size(0) != rows || m.size(1) != 1 || m.size(2) != 1 || m.size(3) != columns ||
+        m.size(0) != rows || m.size(1) != 1 || (m.size(2) != 1 && m.size(2) != positions) ||
+        m.size(3) != columns ||
         (m.stride(3) != 1 && columns > 1))
       return nullptr;
   }
   return pick(q.scalar_type(), k.scalar_type(), dim, q.size(1) / kv_heads);
 }
 
-// query [rows, heads, 1, dim]; key, value [rows, kv_heads, columns, dim] (any strides but the
-// head dim's); mask [rows, 1, 1, columns] bool (true attends) or None. Returns the attention
-// [rows, 1, heads, dim], as transformers' SDPA does, or None for a call the kernel does not take.
+// query [rows, heads, positions, dim]; key, value [rows, kv_heads, columns, dim] (any strides
+// but the head dim's); mask [rows, 1, positions or 1, columns] bool (true attends) or None.
+// Returns the attention [rows, positions, heads, dim], as transformers' SDPA does, or None for a
+// call the kernel does not take.
 std::optional<at::Tensor> decode_attention(const at::Tensor& query, const at::Tensor& key,
                                            const at::Tensor& value,
                                            const std::optional<at::Tensor>& mask, double scale) {
@@ -400,10 +425,12 @@ std::optional<at::Tensor> decode_attention(const at::Tensor& query, const at::Te
             key.size(1), key.size(2),
             query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
             value.stride(0), value.stride(1), value.stride(2), masked ? mask->stride(0) : 0,
-            static_cast<float>(scale)};
-  at::Tensor out = at::empty({query.size(0), 1, query.size(1), query.size(3)}, query.options());
+            static_cast<float>(scale), query.size(2), query.stride(2),
+            masked && mask->size(2) > 1 ? mask->stride(2) : 0};
+  at::Tensor out =
+      at::empty({query.size(0), query.size(2), query.size(1), query.size(3)}, query.options());
   p.out = out.data_ptr();
-  run(p, key.size(0) * key.size(1));
+  run(p, key.size(0) * key.size(1) * query.size(2));
   return out;
 }
 
