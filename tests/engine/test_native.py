@@ -388,6 +388,15 @@ def test_sdpa_dispatch_takes_the_kernel_only_where_it_applies(kernel):
     # Several queries without a mask are causal in transformers' SDPA: not the kernel's.
     fused._sdpa(module, queries, k[:1], v[:1], None, scaling=0.125)
     assert len(calls) == 5
+    # More positions than the kernel takes: its boolean mask goes to SDPA as an additive one.
+    many = q[:1].expand(1, 9, 17, 64).contiguous()
+    long_mask = torch.ones(1, 1, 17, 40, dtype=torch.bool).tril_(23)
+    out, _ = fused._sdpa(module, many, k[:1], v[:1], long_mask, scaling=0.125)
+    assert calls[-1] is False and out.shape == (1, 17, 9, 64)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        many.float(), k[:1].float(), v[:1].float(), attn_mask=long_mask, scale=0.125,
+        enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
 
 
 def _random_llama(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int):
