@@ -51,8 +51,7 @@ class Group:
 
     A decode group is a sub-batch: `tokens` rows, one query each, over its slab; or, when rows
     feed drafts or contrastive candidates, `feed.slots` queries per row, laid out by its
-    `DecodeFeed`. A
-    prefill chunk is one row of `tokens` queries over its prompt's KV so far.
+    `DecodeFeed`. A prefill chunk is one row of `tokens` queries over its prompt's KV so far.
     """
 
     cache: Cache
@@ -220,8 +219,8 @@ def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, 
     threads, 300 keys: 273 vs 85 µs per layer). transformers stacks them itself when a mask is
     given; this does it in every case where the mask is shared by all heads. Where
     `use_decode_kernel` gave the layer engine.kernels.native's kernel and the kernel
-    takes the call (one query per row, or a draft's queries with their boolean mask), it runs
-    instead."""
+    takes the call (one query per row, or up to 16 with their boolean mask: a draft's, a
+    contrastive row's candidates, a short prompt chunk run alone), it runs instead."""
     groups = getattr(module, "num_key_value_groups", 1)
     rows, heads, q_len, dim = query.shape
     plain = not (dropout or kwargs.get("softcap") is not None
@@ -229,7 +228,8 @@ def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, 
     kernel = getattr(module, DECODE_KERNEL_ATTR, None)
     boolean = attention_mask is not None and attention_mask.dtype == torch.bool
     # Several queries a row without a mask would be causal in transformers' SDPA; the kernel
-    # takes them only with their mask (a draft's rows).
+    # takes them only with their boolean mask (a draft's or contrastive candidates' rows, or a
+    # short prompt chunk run alone, whose causal mask transformers builds as bool).
     if kernel is not None and plain and (q_len == 1 or boolean):
         # The kernel alone says whether a call fits it (None: it does not), so no check kept
         # here could disagree with its own. It widens a narrower KV cache as it reads.
@@ -238,7 +238,8 @@ def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, 
         if out is not None:
             return out, None
     if q_len > 1 and boolean and query.device.type == "cpu":
-        # A draft's rows the kernel did not take: the flash kernel runs faster additive.
+        # Several queries the kernel did not take (or no kernel): PyTorch's CPU flash kernel
+        # runs faster with an additive mask.
         attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype).masked_fill_(
             ~attention_mask, torch.finfo(query.dtype).min)
     key, value = _in_query_dtype(query, key, value)

@@ -195,7 +195,8 @@ class ModelRunner:
         if feed.slots == 1:
             mask = feed.one_token_mask().long()
         elif packed_forward.decode_kernel_layers(self.model):
-            mask = feed.allowed()  # the decode kernel takes a draft's rows as they are
+            # The decode kernel takes a draft's (or candidates') mask rows as they are.
+            mask = feed.allowed()
         else:
             mask = feed.mask(self.dtype)
         out = self._forward(
@@ -258,7 +259,7 @@ class ModelRunner:
             if feed.slots == 1:
                 mask = self._bias(feed.one_token_mask()[:, None, None, :])
             elif packed_forward.decode_kernel_layers(self.model):
-                mask = feed.allowed()  # the decode kernel takes a draft's rows as they are
+                mask = feed.allowed()  # the decode kernel takes them as they are
             else:
                 mask = self._bias(feed.mask(self.dtype))
             groups.append(packed_forward.Group(sb.cache, offset, feed.tokens, sb.size, mask, feed))

@@ -238,7 +238,7 @@ def test_the_kernel_computes_what_sdpa_does(kernel, rows, kv_heads, groups, dim,
 @needs_kernel
 @pytest.mark.parametrize("rows,kv_heads,groups,dim,columns,positions", [
     (1, 3, 3, 64, 300, 5), (4, 3, 3, 64, 47, 4), (2, 2, 1, 64, 17, 3), (3, 1, 8, 128, 40, 2),
-    (2, 2, 2, 64, 9, 9)])
+    (2, 2, 2, 64, 9, 9), (1, 2, 1, 64, 40, 16)])  # the last: as many positions as it takes
 @pytest.mark.parametrize("dtype,kv_dtype", [(torch.bfloat16, torch.bfloat16),
                                             (torch.float32, torch.float32),
                                             (torch.float32, torch.float16)])
@@ -346,7 +346,7 @@ def test_the_kernel_lets_other_python_threads_run(kernel):
 
 
 @needs_kernel
-def test_sdpa_dispatch_takes_the_kernel_only_where_it_applies(kernel):
+def test_sdpa_dispatch_takes_the_kernel_only_where_it_applies(kernel, monkeypatch):
     """`fused._sdpa` hands one-query steps and a draft's queries with their boolean mask to the
     kernel, and everything else (several queries without a mask or with an additive one, calls
     the kernel returns None for) to SDPA, with the same result."""
@@ -391,8 +391,17 @@ def test_sdpa_dispatch_takes_the_kernel_only_where_it_applies(kernel):
     # More positions than the kernel takes: its boolean mask goes to SDPA as an additive one.
     many = q[:1].expand(1, 9, 17, 64).contiguous()
     long_mask = torch.ones(1, 1, 17, 40, dtype=torch.bool).tril_(23)
+    masks = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, attn_mask=None, **kwargs):
+        masks.append(attn_mask.dtype)
+        return sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     out, _ = fused._sdpa(module, many, k[:1], v[:1], long_mask, scaling=0.125)
-    assert calls[-1] is False and out.shape == (1, 17, 9, 64)
+    monkeypatch.undo()
+    assert calls[-1] is False and out.shape == (1, 17, 9, 64) and masks == [torch.bfloat16]
     want = torch.nn.functional.scaled_dot_product_attention(
         many.float(), k[:1].float(), v[:1].float(), attn_mask=long_mask, scale=0.125,
         enable_gqa=True).transpose(1, 2)

@@ -43,8 +43,9 @@ using namespace seqgate;
 // Vector registers a loop's accumulators and operands may take (one left for a broadcast).
 constexpr int kRegs = kLanes >= 16 ? 31 : 15;
 constexpr float kHidden = -std::numeric_limits<float>::infinity();
-// Query positions per row it takes: a step's pending token and a draft (a longer prompt chunk
-// goes to PyTorch's flash kernel, built for it).
+// Query positions per row it takes: a step's pending token and a draft, or a contrastive row's
+// candidates (at most 16, engine.sample.contrastive), or a short prompt chunk; a longer chunk
+// goes to PyTorch's flash kernel, built for long query blocks.
 constexpr int64_t kMaxPositions = 16;
 
 struct Problem {
@@ -75,11 +76,12 @@ inline int shown_in(const bool* mr, int64_t c0, int n) {
   return shown;
 }
 
-// A task's keys, values and mask row (null keys: none). Each task fetches the next one's into the
-// cache as it goes, keys while it dots its own, values while it weighs its own: every task's rows
-// are streams of their own in memory, and fetched only as they are read, the reads waited on the
-// memory (30 layers at 32 rows and 320 columns took 12.3 ms from memory, 7.2 ms with the KV in
-// cache).
+// A task's keys, values and mask row (null keys: none). A row's last position's task fetches the
+// next row's (or KV head's) into the cache as it goes, keys while it dots its own, values while
+// it weighs its own: every task's rows are streams of their own in memory, and fetched only as
+// they are read, the reads waited on the memory (30 layers at 32 rows and 320 columns took
+// 12.3 ms from memory, 7.2 ms with the KV in cache). A row's other positions read its own rows,
+// already in the cache.
 template <typename T>
 struct Next {
   const T* k = nullptr;
@@ -298,8 +300,8 @@ Next<KV> rows_of(const Problem& p, int64_t task) {
           p.mask ? p.mask + t.r * p.mask_row + t.j * p.mask_pos : nullptr};
 }
 
-// One (row, KV head). Scratch: the query (scaled, fp32), the scores then weights (`padded` per
-// query), a block's dot products and the output in fp32.
+// One (row, KV head, query position). Scratch: the query (scaled, fp32), the scores then weights
+// (`padded` per query), a block's dot products and the output in fp32.
 // T: the query's and output's type; KV: the keys' and values' (T, or float16 under an fp32 query:
 // a 16-bit KV cache halves the bytes a step reads).
 template <typename T, typename KV, int D, int G>
