@@ -100,7 +100,12 @@ class DecodeFeed:
                           own[None].expand(rows, -1, -1)], dim=-1)[:, None]
 
     def mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """`allowed` as an additive mask (PyTorch's CPU flash kernel runs faster with one)."""
-        allowed = self.allowed()
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-        return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        """`allowed` as an additive mask."""
+        return additive(self.allowed(), dtype)
+
+
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True attends) as an additive one of `dtype`: PyTorch's CPU flash kernel
+    runs faster with it."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)

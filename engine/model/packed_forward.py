@@ -25,6 +25,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from engine.model.decode_inputs import additive
+
 if TYPE_CHECKING:
     from engine.model.decode_inputs import DecodeFeed
 
@@ -238,10 +240,8 @@ def _sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, 
         if out is not None:
             return out, None
     if q_len > 1 and boolean and query.device.type == "cpu":
-        # Several queries the kernel did not take (or no kernel): PyTorch's CPU flash kernel
-        # runs faster with an additive mask.
-        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype).masked_fill_(
-            ~attention_mask, torch.finfo(query.dtype).min)
+        # Several queries the kernel did not take (or no kernel): the flash kernel's mask.
+        attention_mask = additive(attention_mask, query.dtype)
     key, value = _in_query_dtype(query, key, value)
     if (q_len > 1 and plain and groups > 1 and attention_mask is not None
             and attention_mask.shape[1] == 1 and query.device.type == "cpu"):

@@ -192,13 +192,7 @@ class ModelRunner:
         here: without the packed path the linear layers see the padding too)."""
         feed = DecodeFeed.of(sb)
         sb.reserve(sb.width + feed.slots)
-        if feed.slots == 1:
-            mask = feed.one_token_mask().long()
-        elif packed_forward.decode_kernel_layers(self.model):
-            # The decode kernel takes a draft's (or candidates') mask rows as they are.
-            mask = feed.allowed()
-        else:
-            mask = feed.mask(self.dtype)
+        mask = feed.one_token_mask().long() if feed.slots == 1 else self._slots_mask(feed)
         out = self._forward(
             input_ids=feed.padded(feed.ids),
             position_ids=feed.padded(feed.positions),
@@ -210,6 +204,14 @@ class ModelRunner:
         hidden = feed.packed(out.hidden_states[-1]) if want_hidden else None
         return GroupResult(feed.packed(out.logits).float(), hidden, feed.first, feed.first_host,
                            feed.drafts)
+
+    def _slots_mask(self, feed: DecodeFeed) -> torch.Tensor:
+        """The mask of rows feeding several queries (a draft, contrastive candidates): boolean
+        where the layers have the decode kernel, which takes each query's mask row as it is;
+        else additive."""
+        if packed_forward.decode_kernel_layers(self.model):
+            return feed.allowed()
+        return feed.mask(self.dtype)
 
     def _mask_buffer(self, shape: torch.Size) -> torch.Tensor:
         """An uninitialised additive mask of the model's dtype. On CUDA its rows start at
@@ -258,10 +260,8 @@ class ModelRunner:
             sb.reserve(sb.width + feed.slots)
             if feed.slots == 1:
                 mask = self._bias(feed.one_token_mask()[:, None, None, :])
-            elif packed_forward.decode_kernel_layers(self.model):
-                mask = feed.allowed()  # the decode kernel takes them as they are
             else:
-                mask = self._bias(feed.mask(self.dtype))
+                mask = self._bias(self._slots_mask(feed))
             groups.append(packed_forward.Group(sb.cache, offset, feed.tokens, sb.size, mask, feed))
             ids.append(feed.ids)
             positions.append(feed.positions)
